@@ -204,7 +204,9 @@ def model_spec(model: Any, name: str) -> ModelSpec:
 
 def _from_pretrained(source: str | Path, dtype: torch.dtype) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a 1-second load needs no progress bar
     try:
         tok = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
