@@ -1,0 +1,111 @@
+"""Reference benchmark: prefill and decode of the configured model on this machine.
+
+    python -m utils.bench [--prompt-tokens 128 512] [--new-tokens 64] [--repeats 3]
+
+Measures, with the workbook's protocol (warm-up, repeats, median): memory bandwidth
+and matmul FLOP/s of the device, prefill tok/s at each prompt length, decode tok/s
+through transformers and, when ``utils.llama`` is present, through the hand-written
+loop; then the decode ceiling ``bandwidth / bytes per token`` and the share of it
+reached. Prints a readable table, then one JSON line last (machine-readable, for
+collecting results from many machines: ``make bench | tail -1``).
+
+Model, device and dtype follow ``WORKBOOK_MODEL`` / ``WORKBOOK_DEVICE`` /
+``WORKBOOK_DTYPE`` or the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from .hardware import describe_machine, measure_bandwidth, measure_matmul_flops
+from .models import LoadedModel, load_model
+from .phases import measure_decode, measure_prefill
+from .roofline import decode_bytes_per_token, decode_ceiling_tok_s
+
+
+def hand_written_decode_tok_s(lm: LoadedModel, prompt_tokens: int, new_tokens: int,
+                              repeats: int) -> float | None:
+    """Decode tok/s of utils.llama's loop (None when that module is unavailable)."""
+    try:
+        from . import llama
+    except ImportError:
+        return None
+    from .phases import filler_ids
+    from .timing import measure
+
+    model = llama.Llama.from_hf(lm.model)
+    ids = filler_ids(lm.tokenizer, prompt_tokens, lm.device)
+    total = measure(lambda: llama.generate(model, ids, max_new_tokens=new_tokens + 1),
+                    warmup=1, repeats=repeats, device=lm.device).median
+    prefill = measure(lambda: llama.generate(model, ids, max_new_tokens=1),
+                      warmup=1, repeats=repeats, device=lm.device).median
+    return new_tokens / max(total - prefill, 1e-9)
+
+
+def run(lm: LoadedModel, prompt_lengths: list[int], new_tokens: int, repeats: int) -> dict[str, Any]:
+    """All the figures as one JSON-serialisable dict."""
+    bandwidth = measure_bandwidth(lm.device)
+    flops = measure_matmul_flops(lm.device, lm.dtype)
+    prefill = {n: measure_prefill(lm, n, repeats=repeats).tok_s for n in prompt_lengths}
+    context = prompt_lengths[0]
+    decode = measure_decode(lm, new_tokens, prompt_tokens=context, repeats=repeats).tok_s
+    per_token = decode_bytes_per_token(lm.spec.weight_bytes, lm.spec.kv_bytes_per_token,
+                                       context + new_tokens // 2)
+    ceiling = decode_ceiling_tok_s(bandwidth, per_token)
+    return {
+        "machine": describe_machine(lm.device),
+        "model": lm.spec.as_dict(),
+        "bandwidth_GBps": round(bandwidth / 1e9, 2),
+        "matmul_GFLOPs": round(flops / 1e9, 1),
+        "prefill_tok_s": {str(n): round(v, 1) for n, v in prefill.items()},
+        "decode_context_tokens": context,
+        "decode_new_tokens": new_tokens,
+        "decode_tok_s_transformers": round(decode, 2),
+        "decode_tok_s_hand_written": _round(hand_written_decode_tok_s(lm, context, new_tokens, repeats)),
+        "decode_ceiling_tok_s": round(ceiling, 1),
+        "decode_share_of_ceiling": round(decode / ceiling, 3),
+    }
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 2)
+
+
+def print_table(r: dict[str, Any]) -> None:
+    """The figures, readable."""
+    m = r["machine"]
+    print(f"device       {m['device_name']} ({m['device']}), {m['torch_threads']} threads, "
+          f"torch {m['torch_version']}, transformers {m['transformers_version']}")
+    print(f"model        {r['model']['name']} in {r['model']['dtype']}, "
+          f"{r['model']['weight_bytes'] / 1e6:.0f} MB of weights")
+    print(f"bandwidth    {r['bandwidth_GBps']} GB/s measured; matmul {r['matmul_GFLOPs']} GFLOP/s")
+    for n, v in r["prefill_tok_s"].items():
+        print(f"prefill      {n:>5} tokens: {v:>9.1f} tok/s")
+    print(f"decode       transformers {r['decode_tok_s_transformers']} tok/s; hand-written "
+          f"{r['decode_tok_s_hand_written']} tok/s; ceiling (prediction) {r['decode_ceiling_tok_s']} tok/s; "
+          f"transformers reaches {100 * r['decode_share_of_ceiling']:.0f}% of it")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description="Prefill/decode reference benchmark (last line: JSON).")
+    p.add_argument("--model", default=None, help="hub id or folder (default: embedded SmolLM2-135M)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[128, 512])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args(argv)
+    start = time.perf_counter()
+    lm = load_model(a.model, a.device, a.dtype)
+    result = run(lm, sorted(a.prompt_tokens), a.new_tokens, a.repeats)
+    result["bench_seconds"] = round(time.perf_counter() - start, 1)
+    print_table(result)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
