@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from utils import models
-from utils.errors import UnknownModelError, UnsupportedDtypeError
+from utils.errors import UnknownModelError, UnsupportedDeviceError, UnsupportedDtypeError
 
 
 def test_default_model_loads_offline_and_spec_matches_config(lm, monkeypatch):
@@ -62,8 +62,10 @@ def test_dtype_device_cannot_run(monkeypatch):
     with pytest.raises(UnsupportedDtypeError, match="not supported"):
         models.resolve_dtype(torch.int8, torch.device("cpu"))
     if not torch.cuda.is_available():
-        with pytest.raises(UnsupportedDtypeError, match="no CUDA GPU"):
+        with pytest.raises(UnsupportedDeviceError, match="no CUDA GPU"):
             models.pick_device("cuda")
+    with pytest.raises(UnsupportedDeviceError, match="use cpu, cuda"):
+        models.pick_device("gpu-please")
 
 
 def test_device_choice_defaults_and_env(monkeypatch):

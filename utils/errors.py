@@ -36,6 +36,10 @@ class UnsupportedDtypeError(WorkbookError):
     """The dtype is unknown or the device cannot run it."""
 
 
+class UnsupportedDeviceError(WorkbookError):
+    """The device is unknown or not available on this machine."""
+
+
 class OutOfMemoryError(WorkbookError):
     """What was asked for (weights, KV cache, batch) will not fit in the device's memory."""
 

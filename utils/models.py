@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from .errors import OutOfMemoryError, UnknownModelError, UnsupportedDtypeError
+from .errors import (OutOfMemoryError, UnknownModelError, UnsupportedDeviceError,
+                     UnsupportedDtypeError)
 
 EMBEDDED = "SmolLM2-135M-Instruct"
 EMBEDDED_ALIASES = {"", "embedded", "default", EMBEDDED.lower()}
@@ -143,11 +144,16 @@ def pick_device(device: str | torch.device | None = None) -> torch.device:
         if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
-    dev = torch.device(wanted)
+    try:
+        dev = torch.device(wanted)
+    except (RuntimeError, TypeError) as exc:
+        raise UnsupportedDeviceError(f"Unknown device {wanted!r}; use cpu, cuda, cuda:N or mps.") from exc
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UnsupportedDtypeError(f"Device {wanted!r} was asked for, but this torch sees no CUDA GPU.")
+        raise UnsupportedDeviceError(f"Device {wanted!r} was asked for, but this torch sees no CUDA GPU.")
     if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise UnsupportedDtypeError(f"Device {wanted!r} was asked for, but MPS is not available here.")
+        raise UnsupportedDeviceError(f"Device {wanted!r} was asked for, but MPS is not available here.")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise UnsupportedDeviceError(f"Device {wanted!r} is not supported; use cpu, cuda or mps.")
     return dev
 
 

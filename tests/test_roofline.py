@@ -1,0 +1,213 @@
+"""Tests of utils.roofline: the worked examples of the workbook, and bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from utils import roofline as rl
+from utils.errors import InvalidTokenCountError, OutOfMemoryError, WorkbookError
+
+# Llama-3-8B: 32 layers, 8 KV heads, head_dim 128, bf16 (2 bytes).
+LLAMA8B = dict(n_layers=32, n_kv_heads=8, head_dim=128, bytes_per_elem=2)
+
+
+# ------------------------------------------------------------------- KV cache
+
+def test_kv_bytes_per_token_8b_is_128_kib():
+    assert rl.kv_bytes_per_token(**LLAMA8B) == 131_072 == 128 * 1024
+
+
+def test_kv_bytes_per_token_smollm2_fp32_is_45_kib():
+    # 30 layers, 3 KV heads, head_dim 64, fp32: the design doc's 45 KiB per token.
+    assert rl.kv_bytes_per_token(30, 3, 64, 4) == 46_080 == 45 * 1024
+
+
+def test_kv_bytes_per_token_fractional_bytes():
+    assert rl.kv_bytes_per_token(2, 1, 4, 0.5) == 8
+
+
+def test_kv_cache_8b_at_20k_tokens_is_2_6_gb():
+    assert rl.kv_cache_bytes(**LLAMA8B, context_tokens=20_000) == 2_621_440_000
+    assert round(rl.kv_cache_bytes(**LLAMA8B, context_tokens=20e3) / 1e9, 1) == 2.6
+
+
+def test_kv_cache_8b_at_128k_tokens_is_17_gb():
+    b = rl.kv_cache_bytes(**LLAMA8B, context_tokens=131_072)
+    assert b == 131_072 * 131_072 == 2**34
+    assert round(b / 1e9, 1) == 17.2
+
+
+def test_kv_cache_scales_with_batch_and_is_zero_when_empty():
+    one = rl.kv_cache_bytes(**LLAMA8B, context_tokens=1000)
+    assert rl.kv_cache_bytes(**LLAMA8B, context_tokens=1000, batch=4) == 4 * one
+    assert rl.kv_cache_bytes(**LLAMA8B, context_tokens=0) == 0
+
+
+# --------------------------------------------------------------------- decode
+
+def test_decode_ceiling_8gb_at_400gbs_is_50():
+    assert rl.decode_ceiling_tok_s(400e9, 8e9) == pytest.approx(50.0)
+
+
+def test_decode_ceiling_40gb_at_1_2tbs_is_30():
+    assert rl.decode_ceiling_tok_s(1.2e12, 40e9) == pytest.approx(30.0)
+
+
+def test_weight_bytes():
+    assert rl.weight_bytes(8e9, 2) == 16e9
+    assert rl.weight_bytes(134.5e6, 0.5) == pytest.approx(67.25e6)
+
+
+def test_decode_bytes_per_token_adds_the_kv_read():
+    kv = rl.kv_bytes_per_token(**LLAMA8B)
+    assert rl.decode_bytes_per_token(16e9, kv, 0) == 16e9
+    assert rl.decode_bytes_per_token(16e9, kv, 20_000) == pytest.approx(16e9 + 2.62144e9)
+    # long context lowers the ceiling: 3.35 TB/s, 16 GB weights, 128k context
+    at_128k = rl.decode_bytes_per_token(16e9, kv, 131_072)
+    assert rl.decode_ceiling_tok_s(3.35e12, at_128k) == pytest.approx(3.35e12 / (16e9 + 2**34))
+
+
+# -------------------------------------------------------------------- prefill
+
+def test_prefill_flops_weights_only_is_2_params_tokens():
+    assert rl.prefill_flops(8e9, 1000) == 2 * 8e9 * 1000
+
+
+def test_prefill_flops_attention_term():
+    # 2 x layers x hidden x T^2 (causal half of QK^T and AV)
+    assert rl.prefill_flops(8e9, 1000, n_layers=32, hidden_size=4096) == pytest.approx(
+        2 * 8e9 * 1000 + 2 * 32 * 4096 * 1000**2)
+    # at 8k tokens attention is ~13% of an 8B model's prefill work
+    total = rl.prefill_flops(8e9, 8192, n_layers=32, hidden_size=4096)
+    share = 1 - 2 * 8e9 * 8192 / total
+    assert 0.10 < share < 0.16
+
+
+def test_prefill_flops_needs_both_attention_args():
+    with pytest.raises(WorkbookError, match="both n_layers and hidden_size"):
+        rl.prefill_flops(8e9, 1000, n_layers=32)
+
+
+def test_prefill_ceiling():
+    # 134.5 M params at 130 GFLOP/s: ~483 tok/s
+    assert rl.prefill_ceiling_tok_s(130e9, 134.5e6) == pytest.approx(130e9 / 269e6)
+    assert rl.prefill_ceiling_tok_s(989e12, 8e9) == pytest.approx(61_812.5)
+
+
+# ------------------------------------------------------------------- roofline
+
+def test_ridge_point_h100_bf16_is_about_295():
+    assert rl.ridge_point(989e12, 3.35e12) == pytest.approx(295.2, abs=0.1)
+    assert rl.ridge_point(312e12, 2.039e12) == pytest.approx(153.0, abs=0.1)
+
+
+def test_arithmetic_intensity():
+    assert rl.arithmetic_intensity(2e9, 1e9) == 2.0
+    assert rl.arithmetic_intensity(0, 1e9) == 0.0
+
+
+def test_decode_intensity_is_2b_over_bytes_per_param():
+    assert rl.decode_intensity(2) == 1.0           # bf16, batch 1
+    assert rl.decode_intensity(4) == 0.5           # fp32
+    assert rl.decode_intensity(0.5) == 4.0         # int4
+    assert rl.decode_intensity(2, batch=64) == 64.0
+
+
+def test_prefill_intensity_matches_decode_with_tokens_as_batch():
+    assert rl.prefill_intensity(2, 512) == rl.decode_intensity(2, batch=512) == 512.0
+
+
+def test_attainable_flops_is_the_roofline():
+    assert rl.attainable_flops(1.0, 989e12, 3.35e12) == pytest.approx(3.35e12)
+    assert rl.attainable_flops(1000.0, 989e12, 3.35e12) == pytest.approx(989e12)
+
+
+def test_crossover_batch():
+    # bf16 on H100: decode is memory-bound up to ~295 sequences
+    assert rl.crossover_batch(989e12, 3.35e12, 2) == pytest.approx(295.2, abs=0.1)
+    # at the crossover batch, decode's intensity 2 b / bytes_per_param is the ridge point
+    b = rl.crossover_batch(100e9, 35e9, 4)
+    assert 2 * b / 4 == pytest.approx(rl.ridge_point(100e9, 35e9))
+
+
+# ------------------------------------------------------------- request time
+
+def test_request_time_short_prompt_is_94_percent_decode():
+    t = rl.request_time(1_000, 2_000, 300, 40)
+    assert t.ttft_s == pytest.approx(0.5)
+    assert t.decode_s == pytest.approx(7.5)
+    assert t.total_s == pytest.approx(8.0)
+    assert round(t.decode_share * 100) == 94
+    assert t.ttft_share + t.decode_share == pytest.approx(1.0)
+
+
+def test_request_time_rag_prompt_is_39_percent_ttft():
+    t = rl.request_time(12_000, 1_500, 500, 40)
+    assert t.ttft_s == pytest.approx(8.0)
+    assert t.decode_s == pytest.approx(12.5)
+    assert t.total_s == pytest.approx(20.5)
+    assert round(t.ttft_share * 100) == 39
+    assert t.as_dict()["total_s"] == pytest.approx(20.5)
+
+
+def test_request_time_without_output_is_all_prefill():
+    t = rl.request_time(100, 1000, 0, 40)
+    assert t.total_s == pytest.approx(0.1) and t.ttft_share == 1.0
+
+
+# ------------------------------------------------------------------ capacity
+
+def test_max_context_tokens_8b_on_80gb():
+    kv = rl.kv_bytes_per_token(**LLAMA8B)
+    # 80 GB x 0.9 - 16 GB = 56 GB of KV at 131,072 B/token
+    assert rl.max_context_tokens(80e9, 16e9, kv) == math.floor(56e9 / 131_072) == 427_246
+    assert rl.max_context_tokens(80e9, 16e9, kv, batch=8) == math.floor(56e9 / 131_072 / 8)
+    assert rl.max_context_tokens(80e9, 16e9, kv, reserve_fraction=0) == math.floor(64e9 / 131_072)
+
+
+def test_max_context_tokens_weights_too_big():
+    with pytest.raises(OutOfMemoryError, match=r"140\.00 GB.*smaller dtype"):
+        rl.max_context_tokens(80e9, 140e9, 131_072)
+
+
+# ----------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "8e9", None, True])
+def test_bad_bandwidth_or_bytes_raise_clearly(bad):
+    with pytest.raises(WorkbookError, match="bandwidth_bytes_s must be a positive number"):
+        rl.decode_ceiling_tok_s(bad, 8e9)
+    with pytest.raises(WorkbookError, match="bytes_per_token must be a positive number"):
+        rl.decode_ceiling_tok_s(400e9, bad)
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, "10", None])
+def test_bad_token_counts_raise_invalid_token_count(bad):
+    with pytest.raises(InvalidTokenCountError, match="prompt_tokens must be a positive whole"):
+        rl.request_time(bad, 2000, 300, 40)
+    with pytest.raises(InvalidTokenCountError, match="n_tokens"):
+        rl.prefill_flops(8e9, bad)
+
+
+def test_negative_context_and_output_raise():
+    with pytest.raises(InvalidTokenCountError, match="context_tokens must be zero or"):
+        rl.kv_cache_bytes(**LLAMA8B, context_tokens=-1)
+    with pytest.raises(InvalidTokenCountError, match="output_tokens must be zero or"):
+        rl.request_time(100, 1000, -3, 40)
+
+
+def test_bad_shapes_and_fractions_raise():
+    with pytest.raises(WorkbookError, match="n_kv_heads must be a positive whole number"):
+        rl.kv_bytes_per_token(32, 0, 128, 2)
+    with pytest.raises(WorkbookError, match="batch must be a positive whole number"):
+        rl.decode_intensity(2, batch=0)
+    with pytest.raises(WorkbookError, match=r"reserve_fraction must be a fraction in \[0, 1\)"):
+        rl.max_context_tokens(80e9, 16e9, 131_072, reserve_fraction=1.0)
+    with pytest.raises(WorkbookError, match="bytes_per_elem"):
+        rl.kv_bytes_per_token(32, 8, 128, -2)
+
+
+def test_errors_are_value_errors_for_plain_except():
+    with pytest.raises(ValueError):
+        rl.ridge_point(-1, 1)

@@ -1,0 +1,314 @@
+"""The arithmetic of generation: KV bytes, roofline ceilings, intensity, request time.
+
+Pure functions on plain numbers, all in SI units so that they combine without
+conversion factors:
+
+=====================  ==========================================
+quantity               unit
+=====================  ==========================================
+memory, weights, KV    bytes (B); 1 GB = 1e9 B, 1 GiB = 2**30 B
+bandwidth              bytes per second (B/s); 1 TB/s = 1e12 B/s
+compute                floating-point operations (FLOP)
+compute rate           FLOP per second (FLOP/s); 1 TFLOP/s = 1e12
+arithmetic intensity   FLOP per byte (FLOP/B)
+speed                  tokens per second (tok/s)
+time                   seconds (s)
+=====================  ==========================================
+
+The two ceilings the workbook measures against:
+
+- **decode** makes one token per forward pass and must read every weight (and the
+  KV cache so far) from memory for it: ``tok/s <= bandwidth / bytes read per token``.
+  It is memory-bandwidth-bound.
+- **prefill** runs the whole prompt through one pass; each weight read is reused for
+  every prompt token, so the limit is arithmetic: ``tok/s <= FLOP/s / (2 x params)``.
+  It is compute-bound.
+
+Which one binds is the roofline model: a kernel doing ``I`` FLOP per byte moved runs
+at ``min(peak FLOP/s, I x bandwidth)``; the *ridge point* ``peak / bandwidth`` is
+the intensity where the two meet.
+
+Bad input (a negative size, zero bandwidth, a fractional token count) raises a
+:class:`~utils.errors.WorkbookError` that names the argument and its unit.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .errors import InvalidTokenCountError, OutOfMemoryError, WorkbookError
+
+GB = 1e9
+"""Bytes in a (decimal) gigabyte, as vendors and these formulas count them."""
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _number(value: Any, name: str, unit: str, *, allow_zero: bool = False) -> float:
+    """Return ``value`` as a float if it is a finite positive (or zero) real number."""
+    ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
+          and math.isfinite(value) and (value > 0 or (allow_zero and value == 0)))
+    if not ok:
+        need = "zero or a positive number" if allow_zero else "a positive number"
+        raise WorkbookError(f"{name} must be {need} (in {unit}), got {value!r}.")
+    return float(value)
+
+
+def _count(value: Any, name: str, *, allow_zero: bool = False,
+           error: type[WorkbookError] = InvalidTokenCountError) -> int:
+    """Return ``value`` as an int if it is a whole number >= 1 (or >= 0)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 20e3 tokens is fine; 1.5 tokens is not
+    ok = (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+          and (value > 0 or (allow_zero and value == 0)))
+    if not ok:
+        need = "zero or a positive whole number" if allow_zero else "a positive whole number"
+        raise error(f"{name} must be {need}, got {value!r}.")
+    return int(value)
+
+
+def _fraction(value: Any, name: str) -> float:
+    """Return ``value`` if it lies in [0, 1)."""
+    if (not isinstance(value, numbers.Real) or isinstance(value, bool)
+            or not 0 <= value < 1):
+        raise WorkbookError(f"{name} must be a fraction in [0, 1), got {value!r}.")
+    return float(value)
+
+
+# ----------------------------------------------------------------------- KV cache
+
+
+def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int,
+                       bytes_per_elem: float) -> float:
+    """Bytes of KV cache one token adds to one sequence.
+
+    ``2 x n_layers x n_kv_heads x head_dim x bytes_per_elem`` (B/token): a key and a
+    value vector per KV head per layer. Grouped-query attention shrinks it by using
+    fewer KV heads than query heads.
+
+    Llama-3-8B in bf16: ``2 x 32 x 8 x 128 x 2 = 131,072`` B = 128 KiB per token.
+    """
+    layers = _count(n_layers, "n_layers", error=WorkbookError)
+    heads = _count(n_kv_heads, "n_kv_heads", error=WorkbookError)
+    dim = _count(head_dim, "head_dim", error=WorkbookError)
+    size = _number(bytes_per_elem, "bytes_per_elem", "bytes per element")
+    per_token = 2 * layers * heads * dim * size
+    return int(per_token) if per_token.is_integer() else per_token
+
+
+def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, bytes_per_elem: float,
+                   context_tokens: int, batch: int = 1) -> float:
+    """Bytes of the whole KV cache: ``kv_bytes_per_token x context_tokens x batch`` (B).
+
+    It grows linearly with context and with batch. Llama-3-8B in bf16 holds
+    ~2.6 GB at 20,000 tokens and ~17.2 GB at 131,072 (128 Ki) tokens, per sequence.
+    """
+    per_token = kv_bytes_per_token(n_layers, n_kv_heads, head_dim, bytes_per_elem)
+    tokens = _count(context_tokens, "context_tokens", allow_zero=True)
+    return per_token * tokens * _count(batch, "batch", error=WorkbookError)
+
+
+# ------------------------------------------------------------------------- decode
+
+
+def weight_bytes(n_params: float, bytes_per_param: float) -> float:
+    """Bytes of the weights: ``n_params x bytes_per_param`` (B).
+
+    Bytes per parameter: fp32 4, bf16/fp16 2, int8 1, int4 0.5 (plus scales).
+    """
+    return (_number(n_params, "n_params", "parameters")
+            * _number(bytes_per_param, "bytes_per_param", "bytes per parameter"))
+
+
+def decode_bytes_per_token(weight_bytes: float, kv_bytes_per_token: float,
+                           context_tokens: int) -> float:
+    """Bytes one decode step reads from memory at batch 1 (B/token).
+
+    ``weight_bytes + kv_bytes_per_token x context_tokens``: every weight once, plus
+    the keys and values of every token already in the context. At short context the
+    weights dominate; at long context the KV cache can rival them.
+    """
+    weights = _number(weight_bytes, "weight_bytes", "bytes")
+    per_token = _number(kv_bytes_per_token, "kv_bytes_per_token", "bytes per token",
+                        allow_zero=True)
+    return weights + per_token * _count(context_tokens, "context_tokens", allow_zero=True)
+
+
+def decode_ceiling_tok_s(bandwidth_bytes_s: float, bytes_per_token: float) -> float:
+    """Fastest possible decode at batch 1: ``bandwidth / bytes read per token`` (tok/s).
+
+    8 GB of weights at 400 GB/s: 50 tok/s. 40 GB at 1.2 TB/s: 30 tok/s. A measured
+    speed close to this is bandwidth-bound; far below it, something else (kernel
+    launch overhead, Python, poor kernels) is the limit.
+    """
+    bandwidth = _number(bandwidth_bytes_s, "bandwidth_bytes_s", "bytes per second")
+    return bandwidth / _number(bytes_per_token, "bytes_per_token", "bytes per token")
+
+
+# ------------------------------------------------------------------------ prefill
+
+
+def prefill_flops(n_params: float, n_tokens: int, n_layers: int | None = None,
+                  hidden_size: int | None = None) -> float:
+    """Floating-point operations to prefill ``n_tokens`` prompt tokens (FLOP).
+
+    Weights: ``2 x n_params x n_tokens`` -- each parameter does one multiply and one
+    add per token (the embedding lookup is counted too, a small overestimate).
+
+    Attention, added when ``n_layers`` and ``hidden_size`` are given:
+    ``2 x n_layers x hidden_size x n_tokens**2``. Per layer, ``Q K^T`` and
+    ``softmax(.) V`` each cost ``2 x hidden x T x T`` FLOP over the full T x T score
+    matrix; a causal mask needs only half of it, so together ``4 x hidden x T**2 / 2``.
+    (``hidden_size`` stands for ``n_heads x head_dim``, equal in Llama models.)
+    It matters once ``n_tokens`` approaches ``n_params / (n_layers x hidden)``.
+    """
+    params = _number(n_params, "n_params", "parameters")
+    tokens = _count(n_tokens, "n_tokens")
+    flops = 2.0 * params * tokens
+    if (n_layers is None) != (hidden_size is None):
+        raise WorkbookError("Give both n_layers and hidden_size for the attention term, "
+                            "or neither for the weights-only estimate 2 x params x tokens.")
+    if n_layers is not None:
+        layers = _count(n_layers, "n_layers", error=WorkbookError)
+        hidden = _count(hidden_size, "hidden_size", error=WorkbookError)
+        flops += 2.0 * layers * hidden * tokens ** 2
+    return flops
+
+
+def prefill_ceiling_tok_s(flops_per_s: float, n_params: float) -> float:
+    """Fastest possible prefill: ``FLOP/s / (2 x n_params)`` (tok/s).
+
+    The weights-only FLOP count; long prompts add attention work and run slower.
+    """
+    rate = _number(flops_per_s, "flops_per_s", "FLOP per second")
+    return rate / (2.0 * _number(n_params, "n_params", "parameters"))
+
+
+# ----------------------------------------------------------------------- roofline
+
+
+def arithmetic_intensity(flops: float, bytes_moved: float) -> float:
+    """Work per byte of memory traffic: ``flops / bytes`` (FLOP/B)."""
+    work = _number(flops, "flops", "FLOP", allow_zero=True)
+    return work / _number(bytes_moved, "bytes_moved", "bytes")
+
+
+def ridge_point(peak_flops: float, bandwidth_bytes_s: float) -> float:
+    """Intensity where the roofline bends: ``peak FLOP/s / bandwidth`` (FLOP/B).
+
+    Below it a kernel is memory-bound, above it compute-bound. H100 SXM in bf16:
+    989e12 / 3.35e12 ~ 295 FLOP/B.
+    """
+    peak = _number(peak_flops, "peak_flops", "FLOP per second")
+    return peak / _number(bandwidth_bytes_s, "bandwidth_bytes_s", "bytes per second")
+
+
+def attainable_flops(intensity: float, peak_flops: float, bandwidth_bytes_s: float) -> float:
+    """The roofline: ``min(peak, intensity x bandwidth)`` (FLOP/s)."""
+    rate = _number(intensity, "intensity", "FLOP per byte") * _number(
+        bandwidth_bytes_s, "bandwidth_bytes_s", "bytes per second")
+    return min(_number(peak_flops, "peak_flops", "FLOP per second"), rate)
+
+
+def decode_intensity(bytes_per_param: float, batch: int = 1) -> float:
+    """Intensity of one decode step over the weights: ``2 x batch / bytes_per_param``.
+
+    Each weight read (``bytes_per_param`` bytes) does one multiply-add (2 FLOP) per
+    sequence in the batch. bf16 at batch 1: 1 FLOP/B -- hundreds of times below a
+    GPU's ridge point, hence bandwidth-bound. (KV-cache reads are left out; they add
+    bytes and keep decode attention near 1 FLOP/B at any batch.)
+    """
+    size = _number(bytes_per_param, "bytes_per_param", "bytes per parameter")
+    return 2.0 * _count(batch, "batch", error=WorkbookError) / size
+
+
+def prefill_intensity(bytes_per_param: float, n_tokens: int) -> float:
+    """Intensity of prefill over the weights: ``2 x n_tokens / bytes_per_param`` (FLOP/B).
+
+    The same formula as decode with the prompt tokens in place of the batch: a
+    512-token bf16 prompt does 512 FLOP per weight byte, above most ridge points.
+    """
+    size = _number(bytes_per_param, "bytes_per_param", "bytes per parameter")
+    return 2.0 * _count(n_tokens, "n_tokens") / size
+
+
+def crossover_batch(peak_flops: float, bandwidth_bytes_s: float,
+                    bytes_per_param: float) -> float:
+    """Batch at which decode stops being memory-bound: ``ridge x bytes_per_param / 2``.
+
+    Below it, a larger batch is nearly free (same bytes, more tokens); above it, the
+    step time grows with the batch. H100 SXM in bf16: ~295 sequences.
+    """
+    ridge = ridge_point(peak_flops, bandwidth_bytes_s)
+    return ridge * _number(bytes_per_param, "bytes_per_param", "bytes per parameter") / 2.0
+
+
+# -------------------------------------------------------------- the whole request
+
+
+@dataclass(frozen=True)
+class RequestTime:
+    """Where the time of one request goes (seconds, and shares of the total)."""
+
+    ttft_s: float
+    """Time to first token ~ prefill: ``prompt_tokens / prefill_tok_s``."""
+    decode_s: float
+    """Time to generate the output: ``output_tokens / decode_tok_s``."""
+    total_s: float
+    ttft_share: float
+    """``ttft_s / total_s``, between 0 and 1."""
+    decode_share: float
+    """``decode_s / total_s``, between 0 and 1."""
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def request_time(prompt_tokens: int, prefill_tok_s: float, output_tokens: int,
+                 decode_tok_s: float) -> RequestTime:
+    """The total-time model: ``total = prompt / prefill speed + output / decode speed``.
+
+    1,000 prompt tokens at 2,000 tok/s plus 300 output tokens at 40 tok/s:
+    0.5 s + 7.5 s = 8.0 s, 94% of it decoding. A 12,000-token RAG prompt at
+    1,500 tok/s plus 500 out at 40 tok/s: 8.0 s + 12.5 s = 20.5 s, 39% in TTFT.
+    Output tokens cost far more time each than input tokens.
+    """
+    prompt = _count(prompt_tokens, "prompt_tokens")
+    output = _count(output_tokens, "output_tokens", allow_zero=True)
+    ttft = prompt / _number(prefill_tok_s, "prefill_tok_s", "tokens per second")
+    decode = output / _number(decode_tok_s, "decode_tok_s", "tokens per second")
+    total = ttft + decode
+    return RequestTime(ttft_s=ttft, decode_s=decode, total_s=total,
+                       ttft_share=ttft / total, decode_share=decode / total)
+
+
+# ------------------------------------------------------------------------ capacity
+
+
+def max_context_tokens(memory_bytes: float, weight_bytes: float, kv_bytes_per_token: float,
+                       batch: int = 1, reserve_fraction: float = 0.1) -> int:
+    """How many context tokens per sequence fit in memory beside the weights.
+
+    ``floor((memory x (1 - reserve) - weights) / (kv_bytes_per_token x batch))``.
+    ``reserve_fraction`` keeps room for activations, the allocator and the runtime.
+    An 8B bf16 model (16 GB) on an 80 GB GPU with 10% reserve leaves 56 GB:
+    ~427k tokens of 128 KiB each at batch 1, ~53k per sequence at batch 8.
+
+    Raises :class:`~utils.errors.OutOfMemoryError` if the weights alone do not fit.
+    """
+    memory = _number(memory_bytes, "memory_bytes", "bytes")
+    weights = _number(weight_bytes, "weight_bytes", "bytes")
+    per_token = _number(kv_bytes_per_token, "kv_bytes_per_token", "bytes per token")
+    seqs = _count(batch, "batch", error=WorkbookError)
+    usable = memory * (1.0 - _fraction(reserve_fraction, "reserve_fraction"))
+    if weights >= usable:
+        raise OutOfMemoryError(
+            f"The weights ({weights / GB:.2f} GB) leave no room for a KV cache in "
+            f"{usable / GB:.2f} GB usable memory ({memory / GB:.2f} GB minus "
+            f"{reserve_fraction:.0%} reserve). Use a smaller dtype (bf16, int8, int4) "
+            "or a smaller model.")
+    return math.floor((usable - weights) / (per_token * seqs))
