@@ -1,0 +1,699 @@
+"""A Llama forward pass written by hand, with a preallocated KV cache.
+
+The model (read it top to bottom, like nanoGPT's ``model.py``)::
+
+    tokens ─ embed ─┬─ [ RMSNorm ─ attention (RoPE, grouped-query) ─ + ]  x n_layers ─ RMSNorm ─ lm_head ─ logits
+                    └─ [ RMSNorm ─ SwiGLU MLP ─────────────────────── + ]
+
+Generation has two phases, named as in gpt-fast's ``generate.py``:
+
+- :func:`prefill` runs the whole prompt in one pass (compute-bound) and fills the
+  KV cache at positions ``0 .. T-1``;
+- :func:`decode_one_token` runs one new token (bandwidth-bound): it writes its K and V
+  at the next position and attends to everything cached before it.
+  :func:`decode_n_tokens` loops it; :func:`generate` does prefill + decode.
+
+The KV cache (:class:`KVCache`) is allocated once per request, sized to what that
+request needs (prompt + new tokens): attending over a huge mostly-empty cache wastes
+bandwidth (on a small CPU a 2,048-slot cache halved decode speed). In eager mode
+each step attends only to the filled positions. Inside one step nothing branches
+in Python on a tensor's *value*, and the cache is written by position, so the step
+can be compiled whole (:func:`compile_decode`, with ``KVCache(static=True)`` so the
+shapes never change).
+
+Batches use LEFT padding: every row's last prompt token sits in the same slot, so
+the new tokens of all rows are written at the same position. Padded slots are masked
+out, and RoPE positions are counted from each row's first real token, so every row
+gives the same tokens as when run alone.
+
+:func:`forward_no_cache` / :func:`generate_no_cache` recompute the whole sequence at
+every step: the quadratic baseline that the cache removes.
+
+Every projection is an ``nn.Linear`` at a predictable name (:func:`iter_linears`),
+so the quantization lab can swap them (:func:`replace_linear`).
+
+Supported: LlamaForCausalLM, MistralForCausalLM (sliding window), Qwen2ForCausalLM
+(q/k/v bias). RoPE types: default, linear, llama3.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .errors import (
+    EmptyPromptError,
+    PromptTooLongError,
+    UnsupportedArchitectureError,
+    WorkbookError,
+    check_prompt_length,
+    check_token_count,
+)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# The projections of one block, as attribute paths inside ``layers.{i}``.
+BLOCK_LINEARS = ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+# A step: (tokens [B, T], slots [T], cache, kv_len, last_only) -> logits [B, T', V].
+StepFn = Callable[..., Tensor]
+
+
+# ----------------------------------------------------------------------------- shapes
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    """The numbers that define the architecture (read off a transformers config)."""
+
+    architecture: str
+    vocab_size: int
+    dim: int  # hidden size, d_model
+    n_layers: int
+    n_heads: int  # query heads
+    n_kv_heads: int  # key/value heads; n_heads // n_kv_heads queries share each
+    head_dim: int
+    hidden_dim: int  # MLP intermediate size
+    norm_eps: float
+    rope: dict  # the config's rope_parameters: rope_theta, rope_type, ...
+    max_context: int  # max_position_embeddings
+    qkv_bias: bool = False  # Qwen2: True
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tied_embeddings: bool = True
+    windows: tuple[int | None, ...] = ()  # per layer: sliding-window size, or None (full)
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(head_dim: int, rope: dict) -> Tensor:
+    """The rotation speed of each pair of channels: ``theta ** (-2i / head_dim)``.
+
+    Pair ``i`` of a query/key at position ``p`` is rotated by the angle ``p * inv_freq[i]``;
+    the dot product of a rotated query and key then depends only on their distance.
+    ``linear`` divides every frequency by ``factor`` (positions stretched);
+    ``llama3`` divides only the slow (long-wavelength) ones and blends in between.
+    """
+    kind = rope.get("rope_type", "default")
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedArchitectureError(
+            f"RoPE type {kind!r} is not implemented by the hand-written forward pass; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}.")
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope["rope_theta"] ** exponent)  # [head_dim / 2]
+    if kind == "linear":
+        return inv_freq / rope["factor"]
+    if kind == "llama3":
+        return _llama3_scaling(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scaling(inv_freq: Tensor, rope: dict) -> Tensor:
+    """Llama 3.1's RoPE scaling: slow frequencies / factor, fast ones kept, a ramp between."""
+    factor, old_len = rope["factor"], rope["original_max_position_embeddings"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+class Rotary(nn.Module):
+    """cos and sin of ``position * inv_freq``, each frequency used for two channels."""
+
+    def __init__(self, inv_freq: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2], float32
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2], float32
+        angles = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dim: a 90° turn of each pair."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate each channel pair of ``x`` [B, H, T, D] by its angle (cos, sin: [B, T, D])."""
+    cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]: same angle for every head
+    return x * cos + rotate_half(x) * sin
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``: rescale each token's vector to unit root-mean-square.
+
+    Computed in float32 (a bf16 sum of squares over 4,096 channels loses digits),
+    then cast back before the learned per-channel gain, as transformers does.
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """softmax(q kᵀ / √D + mask) v, with grouped-query attention.
+
+    q: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask: [B, 1, T, S] bool, True = may attend.
+    Each group of ``H // Hkv`` query heads shares one K/V head: the cache holds only
+    Hkv heads, which is what makes it ``H / Hkv`` times smaller than with full heads.
+    """
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with RoPE, GQA and a KV cache written by position.
+
+    ``qkv_proj`` is q, k and v fused into one matrix: one matmul reads the input once.
+    """
+
+    def __init__(self, args: LlamaArgs, window: int | None = None) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.window = window  # sliding-window size (Mistral, some Qwen2 layers), None = full
+        qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+        self.qkv_proj = nn.Linear(args.dim, qkv_out, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor,
+                kv: tuple[Tensor, Tensor], slots: Tensor) -> Tensor:
+        """x [B, T, dim]; kv: this layer's cache [B, Hkv, max_len, D]; slots [T]."""
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q = q.view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
+        k = k.view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k_cache, v_cache = kv
+        k_cache.index_copy_(2, slots, k)  # write the new keys at their positions
+        v_cache.index_copy_(2, slots, v)
+        S = mask.shape[-1]  # attend to the first S slots only (the filled ones, in eager)
+        y = attention(q, k_cache[:, :, :S], v_cache[:, :, :S], mask)  # [B, H, T, D]
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; gate and up fused into one matmul."""
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(args.dim, 2 * args.hidden_dim, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.hidden_dim, args.dim, bias=args.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B, T, hidden_dim] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, args: LlamaArgs, window: int | None = None) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attn = Attention(args, window)
+        self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor,
+                kv: tuple[Tensor, Tensor], slots: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, mask, kv, slots)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+class KVCache(nn.Module):
+    """Preallocated keys and values of every layer, written by position ("slot").
+
+    ``k``, ``v``: [n_layers, batch, n_kv_heads, max_len, head_dim]. Size in bytes:
+    ``2 x n_layers x n_kv_heads x head_dim x bytes/element x max_len x batch``.
+
+    Per request it also keeps ``valid`` [batch, max_len] (False at left-padding slots),
+    ``n_pad`` [batch] (RoPE position = slot - n_pad) and ``length`` (a Python int:
+    slots filled so far; the same for every row, thanks to left padding).
+    ``static=True`` makes each decode step attend over all ``max_len`` slots (masked)
+    so that its shapes never change: what a compiled step needs. (With a sliding window
+    the whole request is still kept: the window is a mask, not a ring buffer.)
+    """
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str, static: bool = False) -> None:
+        super().__init__()
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        # zeros, not empty: a static step reads unfilled slots (masked, but NaN x 0 = NaN)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("valid", torch.ones(batch, max_len, dtype=torch.bool, device=device),
+                             persistent=False)
+        self.register_buffer("n_pad", torch.zeros(batch, dtype=torch.long, device=device),
+                             persistent=False)
+        self.length = 0
+        self.static = static
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K and V tensors (the small ``valid``/``n_pad`` bookkeeping not counted)."""
+        return self.k.nbytes + self.v.nbytes
+
+    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        """Layer ``i``'s (k, v), each [batch, n_kv_heads, max_len, head_dim] (views)."""
+        return self.k[i], self.v[i]
+
+    def mask(self, slots: Tensor, kv_len: int, window: int | None = None) -> Tensor:
+        """Which of the first ``kv_len`` slots each new token may attend to: [B, 1, T, kv_len].
+
+        A token at slot q sees slot k if ``k <= q`` (causal), k holds a real token (not
+        padding) and, with a sliding window, ``q - k < window``. It always sees itself,
+        so that a padding query never has an all-masked row (softmax of nothing = NaN).
+        """
+        k_slot = torch.arange(kv_len, device=slots.device)  # [S]
+        q_slot = slots[:, None]  # [T, 1]
+        allowed = k_slot <= q_slot  # [T, S]
+        if window is not None:
+            allowed = allowed & (q_slot - k_slot < window)
+        allowed = allowed[None] & self.valid[:, None, :kv_len]  # [B, T, S]
+        return (allowed | (k_slot == q_slot))[:, None]  # [B, 1, T, S]
+
+    def positions(self, slots: Tensor) -> Tensor:
+        """RoPE positions of the tokens at ``slots`` [T]: counted from each row's first real token."""
+        return (slots[None, :] - self.n_pad[:, None]).clamp(min=0)  # [B, T]
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class Llama(nn.Module):
+    """Embedding, ``n_layers`` blocks, final norm, LM head (tied to the embedding or not)."""
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.args = args
+        windows = args.windows or (None,) * args.n_layers
+        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.rope = Rotary(rope_inv_freq(args.head_dim, args.rope))
+        self.layers = nn.ModuleList(Block(args, w) for w in windows)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tied_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @classmethod
+    def from_hf(cls, hf_model: Any) -> "Llama":
+        """Build from a loaded transformers model, on its device and in its dtype.
+
+        Norms, embedding, o_proj, down_proj and an untied LM head share the transformers
+        tensors; the fused qkv and gate_up weights are new tensors (a copy of ~2/3 of
+        the layer weights). Raises :class:`UnsupportedArchitectureError` for others.
+        """
+        args = args_from_hf(hf_model)
+        with torch.device("meta"):  # no memory, no random init: every weight is assigned below
+            model = cls(args)
+        _load_hf_weights(model, hf_model)
+        return model.eval()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self, batch: int, max_len: int, static: bool = False) -> KVCache:
+        """A zeroed KV cache for ``batch`` sequences of up to ``max_len`` tokens."""
+        a = self.args
+        return KVCache(a.n_layers, batch, a.n_kv_heads, max_len, a.head_dim,
+                       self.dtype, self.device, static)
+
+    def forward(self, tokens: Tensor, slots: Tensor, cache: KVCache, kv_len: int,
+                last_only: bool = False) -> Tensor:
+        """One step: tokens [B, T] at cache ``slots`` [T] -> logits [B, T, V] ([B, 1, V] if last_only).
+
+        Writes the tokens' K/V into ``cache`` and attends to its first ``kv_len`` slots.
+        """
+        x = self.embed(tokens)  # [B, T, dim]
+        rope = self.rope(cache.positions(slots), x.dtype)  # cos, sin: [B, T, head_dim]
+        masks = {w: cache.mask(slots, kv_len, w) for w in {b.attn.window for b in self.layers}}
+        for i, block in enumerate(self.layers):
+            x = block(x, rope, masks[block.attn.window], cache.layer(i), slots)
+        if last_only:
+            x = x[:, -1:]  # prefill needs only the next token: skip T-1 rows of the LM head
+        return self.lm_head(self.norm(x))  # [B, T, vocab]
+
+
+def args_from_hf(hf_model: Any) -> LlamaArgs:
+    """Read :class:`LlamaArgs` off a transformers model; refuse architectures we do not implement."""
+    arch = type(hf_model).__name__
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"{arch} is not supported by the hand-written forward pass (utils.llama); "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}. Use transformers' own "
+            "generate() for this model, or pick a Llama-family model.")
+    cfg, layer0 = hf_model.config, hf_model.model.layers[0]
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise UnsupportedArchitectureError(f"{arch} with hidden_act={cfg.hidden_act!r}: only silu is implemented.")
+    attn, n_heads = layer0.self_attn, cfg.num_attention_heads
+    window = getattr(cfg, "sliding_window", None)
+    kinds = getattr(cfg, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * cfg.num_hidden_layers
+    return LlamaArgs(
+        architecture=arch, vocab_size=cfg.vocab_size, dim=cfg.hidden_size,
+        n_layers=cfg.num_hidden_layers, n_heads=n_heads,
+        n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
+        head_dim=attn.q_proj.out_features // n_heads, hidden_dim=cfg.intermediate_size,
+        norm_eps=cfg.rms_norm_eps, rope=dict(cfg.rope_parameters),
+        max_context=cfg.max_position_embeddings,
+        qkv_bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
+        mlp_bias=layer0.mlp.down_proj.bias is not None,
+        tied_embeddings=hf_model.lm_head.weight is hf_model.model.embed_tokens.weight,
+        windows=tuple(window if k == "sliding_attention" else None for k in kinds))
+
+
+def _param(*tensors: Tensor | None) -> nn.Parameter | None:
+    """One tensor shared as is, or several concatenated (fusion); None if there are none."""
+    if tensors[0] is None:
+        return None
+    data = tensors[0].detach() if len(tensors) == 1 else torch.cat([t.detach() for t in tensors])
+    return nn.Parameter(data, requires_grad=False)
+
+
+def _load_hf_weights(model: Llama, hf_model: Any) -> None:
+    """Point every weight of ``model`` at the transformers weights (fusing q/k/v and gate/up)."""
+    hf = hf_model.model
+    model.embed.weight = _param(hf.embed_tokens.weight)
+    model.lm_head.weight = model.embed.weight if model.args.tied_embeddings else _param(hf_model.lm_head.weight)
+    model.norm.weight = _param(hf.norm.weight)
+    model.rope.inv_freq = rope_inv_freq(model.args.head_dim, model.args.rope).to(model.device)
+    for block, layer in zip(model.layers, hf.layers):
+        a, m = layer.self_attn, layer.mlp
+        block.attn_norm.weight = _param(layer.input_layernorm.weight)
+        block.mlp_norm.weight = _param(layer.post_attention_layernorm.weight)
+        block.attn.qkv_proj.weight = _param(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
+        block.attn.qkv_proj.bias = _param(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
+        block.attn.o_proj.weight, block.attn.o_proj.bias = _param(a.o_proj.weight), _param(a.o_proj.bias)
+        block.mlp.gate_up_proj.weight = _param(m.gate_proj.weight, m.up_proj.weight)
+        block.mlp.gate_up_proj.bias = _param(m.gate_proj.bias, m.up_proj.bias)
+        block.mlp.down_proj.weight, block.mlp.down_proj.bias = _param(m.down_proj.weight), _param(m.down_proj.bias)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not left, f"weights not loaded from the transformers model: {left}"
+
+
+# ----------------------------------------------------------------------------- swapping projections
+
+
+def iter_linears(model: Llama) -> Iterator[tuple[str, nn.Module]]:
+    """Every projection as (name, module): ``layers.{i}.attn.qkv_proj``, ``.attn.o_proj``,
+    ``.mlp.gate_up_proj``, ``.mlp.down_proj`` for each layer, then ``lm_head``.
+
+    Names are stable, whatever the module currently is (nn.Linear or a quantized stand-in).
+    """
+    for i, block in enumerate(model.layers):
+        for path in BLOCK_LINEARS:
+            yield f"layers.{i}.{path}", block.get_submodule(path)
+    yield "lm_head", model.lm_head
+
+
+def replace_linear(model: Llama, name: str, new_module: nn.Module) -> nn.Module:
+    """Put ``new_module`` (same call signature: [..., in] -> [..., out]) in place of ``name``.
+
+    Returns the old module. Replacing a tied ``lm_head`` unties it: the embedding keeps
+    its own weights.
+    """
+    current = dict(iter_linears(model))
+    if name not in current:
+        raise KeyError(f"{name!r} is not a projection of this model; see iter_linears(model), "
+                       f"e.g. 'layers.0.attn.qkv_proj' or 'lm_head'.")
+    old = current[name]
+    for attr in ("in_features", "out_features"):
+        want, got = getattr(old, attr, None), getattr(new_module, attr, None)
+        if want is not None and got is not None and want != got:
+            raise ValueError(f"{name}: {attr} is {want}, the new module has {got}.")
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, new_module)
+    return old
+
+
+# ----------------------------------------------------------------------------- phases
+
+
+def _as_batch(input_ids: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """input_ids as [B, T] long and the mask as [B, T] bool; checks non-empty, left padding."""
+    ids = input_ids if input_ids.dim() == 2 else input_ids.view(1, -1)
+    if ids.shape[1] == 0:
+        raise EmptyPromptError("The prompt is empty: give at least one token of text to prefill.")
+    mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.view(ids.shape).bool()
+    if not bool(mask.any(dim=1).all()):
+        raise EmptyPromptError("A prompt in the batch is all padding: give each row at least one token.")
+    if not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+        raise WorkbookError("The batch must be LEFT-padded (padding before the prompt): "
+                            "set tokenizer.padding_side = 'left'.")
+    return ids, mask
+
+
+@torch.inference_mode()
+def extend(model: Llama, cache: KVCache, tokens: Tensor, last_only: bool = False) -> Tensor:
+    """Append ``tokens`` [B, T] after what ``cache`` holds; return logits [B, T, V] (or [B, 1, V]).
+
+    Attends to the filled slots only. Prefill is extend on an empty cache; a speculative
+    verify step is extend with the draft tokens (then set ``cache.length`` back to roll back).
+    """
+    start, T = cache.length, tokens.shape[1]
+    if start + T > cache.max_len:
+        raise PromptTooLongError(
+            f"The cache holds {cache.max_len} tokens: {start} are filled and {T} more were given "
+            f"({start + T} in all). Make a larger cache (model.new_cache(batch, max_len)).")
+    slots = torch.arange(start, start + T, device=cache.k.device)  # [T]
+    logits = model(tokens, slots, cache, start + T, last_only)
+    cache.length = start + T
+    return logits
+
+
+@torch.inference_mode()
+def prefill(model: Llama, cache: KVCache, input_ids: Tensor,
+            attention_mask: Tensor | None = None) -> Tensor:
+    """Run the prompt [B, T] (left-padded if B > 1) through the model in one pass.
+
+    Resets ``cache`` and fills slots 0..T-1. Returns the logits of the last position [B, V]:
+    the distribution of the first new token.
+    """
+    ids, mask = _as_batch(input_ids, attention_mask)
+    B, T = ids.shape
+    if B != cache.batch:
+        raise ValueError(f"The cache was made for batch {cache.batch}, the prompt has {B} rows.")
+    check_prompt_length(T, cache.max_len)
+    ids, mask = ids.to(cache.k.device), mask.to(cache.k.device)
+    cache.length = 0
+    cache.valid.fill_(True)
+    cache.valid[:, :T] = mask  # padding slots are never attended to
+    cache.n_pad.copy_((~mask).sum(dim=1))  # RoPE position = slot - n_pad
+    return extend(model, cache, ids, last_only=True)[:, -1]
+
+
+@torch.inference_mode()
+def decode_one_token(model: Llama, cache: KVCache, token: Tensor,
+                     step: StepFn | None = None) -> Tensor:
+    """Run one new token per row (``token``: [B] or [B, 1]) at the next slot; logits [B, V].
+
+    Eager: attends to the ``length + 1`` filled slots. ``cache.static``: to all ``max_len``
+    slots (masked), so a compiled ``step`` (:func:`compile_decode`) always sees one shape.
+    """
+    slot = cache.length
+    if slot >= cache.max_len:
+        raise PromptTooLongError(
+            f"The KV cache is full: {cache.max_len} of {cache.max_len} slots are used. "
+            "Make the cache as large as prompt + new tokens.")
+    slots = torch.tensor([slot], device=cache.k.device)  # [1]
+    kv_len = cache.max_len if cache.static else slot + 1
+    run = model if step is None else step  # (a compiled module has no truth value)
+    logits = run(token.view(-1, 1), slots, cache, kv_len)  # [B, 1, V]
+    cache.length = slot + 1
+    return logits[:, -1]
+
+
+def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None,
+           generator: torch.Generator | None = None) -> Tensor:
+    """Next token per row from logits [B, V]: argmax if temperature is 0, else a draw from
+    softmax(logits / temperature), restricted to the top_k most likely tokens if given."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _eos_tensor(eos_token_id: int | Sequence[int] | None, device: torch.device) -> Tensor | None:
+    if eos_token_id is None:
+        return None
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    return torch.tensor(ids, device=device)
+
+
+@torch.inference_mode()
+def decode_n_tokens(model: Llama, cache: KVCache, token: Tensor, n: int, *,
+                    eos_token_id: int | Sequence[int] | None = None, temperature: float = 0.0,
+                    top_k: int | None = None, generator: torch.Generator | None = None,
+                    step: StepFn | None = None) -> Tensor:
+    """Feed ``token`` [B] (the last sampled one) and sample up to ``n`` more: [B, n'].
+
+    Rows that have produced an end-of-sequence token keep repeating it (as padding);
+    the loop stops early once every row has.
+    """
+    eos = _eos_tensor(eos_token_id, token.device)
+    done = torch.isin(token, eos) if eos is not None else None
+    out: list[Tensor] = []
+    for _ in range(n):
+        if done is not None and bool(done.all()):
+            break
+        logits = decode_one_token(model, cache, token, step)
+        nxt = sample(logits, temperature, top_k, generator)
+        if done is not None:
+            nxt = torch.where(done, eos[0], nxt)
+            done = done | torch.isin(nxt, eos)
+        out.append(nxt)
+        token = nxt
+    return torch.stack(out, dim=1) if out else token.new_empty(token.shape[0], 0)
+
+
+@torch.inference_mode()
+def generate(model: Llama, input_ids: Tensor, max_new_tokens: int,
+             attention_mask: Tensor | None = None, eos_token_id: int | Sequence[int] | None = None,
+             temperature: float = 0.0, top_k: int | None = None,
+             generator: torch.Generator | None = None, step: StepFn | None = None,
+             static: bool = False) -> Tensor:
+    """Prefill, then decode: the NEW tokens [B, n] (n <= max_new_tokens; greedy by default).
+
+    The cache is sized to the request: prompt + max_new_tokens slots.
+    """
+    check_token_count(max_new_tokens)
+    ids, mask = _as_batch(input_ids, attention_mask)
+    B, T = ids.shape
+    check_prompt_length(T, model.args.max_context, max_new_tokens)
+    cache = model.new_cache(B, T + max_new_tokens, static=static)
+    first = sample(prefill(model, cache, ids, mask), temperature, top_k, generator)  # [B]
+    rest = decode_n_tokens(model, cache, first, max_new_tokens - 1, eos_token_id=eos_token_id,
+                           temperature=temperature, top_k=top_k, generator=generator, step=step)
+    return torch.cat([first[:, None], rest], dim=1)
+
+
+# ----------------------------------------------------------------------------- without a cache
+
+
+@torch.inference_mode()
+def forward_no_cache(model: Llama, input_ids: Tensor, attention_mask: Tensor | None = None,
+                     last_only: bool = False) -> Tensor:
+    """Logits [B, T, V] of the whole sequence, computed from scratch (K/V kept only for this pass)."""
+    ids, mask = _as_batch(input_ids, attention_mask)
+    ids, mask = ids.to(model.device), mask.to(model.device)
+    cache = model.new_cache(ids.shape[0], ids.shape[1])  # scratch: thrown away on return
+    cache.valid.copy_(mask)
+    cache.n_pad.copy_((~mask).sum(dim=1))
+    return extend(model, cache, ids, last_only=last_only)
+
+
+@torch.inference_mode()
+def generate_no_cache(model: Llama, input_ids: Tensor, max_new_tokens: int,
+                      attention_mask: Tensor | None = None,
+                      eos_token_id: int | Sequence[int] | None = None) -> Tensor:
+    """Greedy decoding that recomputes the whole sequence for every new token: [B, n].
+
+    Step t processes T + t tokens, so n steps cost ~ n·T + n²/2 token-passes: quadratic.
+    """
+    check_token_count(max_new_tokens)
+    ids, mask = _as_batch(input_ids, attention_mask)
+    check_prompt_length(ids.shape[1], model.args.max_context, max_new_tokens)
+    ids, mask = ids.to(model.device), mask.to(model.device)
+    eos = _eos_tensor(eos_token_id, ids.device)
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    out: list[Tensor] = []
+    for _ in range(max_new_tokens):
+        nxt = forward_no_cache(model, ids, mask, last_only=True)[:, -1].argmax(dim=-1)
+        if eos is not None:
+            nxt = torch.where(done, eos[0], nxt)
+            done = done | torch.isin(nxt, eos)
+        out.append(nxt)
+        ids = torch.cat([ids, nxt[:, None]], dim=1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        if eos is not None and bool(done.all()):
+            break
+    return torch.stack(out, dim=1)
+
+
+# ----------------------------------------------------------------------------- speed
+
+
+def compile_decode(model: Llama, mode: str | None = None) -> StepFn:
+    """``torch.compile`` of the one-token step, for ``decode_one_token(..., step=...)``.
+
+    Use it with a static cache (``model.new_cache(..., static=True)`` or
+    ``generate(..., static=True)``) so every call has the same shapes. Default mode:
+    ``reduce-overhead`` (CUDA graphs) on CUDA, ``max-autotune-no-cudagraphs`` elsewhere.
+    On CPU, ``torch._inductor.config.freezing = True`` before compiling helps a lot.
+    Compiling takes minutes on a small CPU; the first calls are slow, and each new cache
+    size (``max_len``) or batch compiles again: for a benchmark, keep one size.
+    """
+    if mode is None:
+        mode = "reduce-overhead" if model.device.type == "cuda" else "max-autotune-no-cudagraphs"
+    return torch.compile(model, mode=mode, fullgraph=True, dynamic=False)
+
+
+def decode_tokens_per_second(model: Llama, input_ids: Tensor, n_tokens: int = 32,
+                             step: StepFn | None = None, static: bool = False) -> float:
+    """Eager (or ``step``) decode speed, batch = rows of ``input_ids``: tokens after the first ÷ time."""
+    ids, _ = _as_batch(input_ids, None)
+    cache = model.new_cache(ids.shape[0], ids.shape[1] + n_tokens + 1, static=static)
+    token = prefill(model, cache, ids).argmax(dim=-1)
+    decode_one_token(model, cache, token, step)  # warm-up
+    _sync(model.device)
+    start = time.perf_counter()
+    decode_n_tokens(model, cache, token, n_tokens, step=step)
+    _sync(model.device)
+    return n_tokens * ids.shape[0] / (time.perf_counter() - start)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES", "LlamaArgs", "Llama", "KVCache", "RMSNorm", "Rotary", "Attention",
+    "MLP", "Block", "attention", "apply_rope", "rotate_half", "rope_inv_freq", "args_from_hf",
+    "iter_linears", "replace_linear", "prefill", "extend", "decode_one_token", "decode_n_tokens",
+    "sample", "generate", "forward_no_cache", "generate_no_cache", "compile_decode",
+    "decode_tokens_per_second",
+]
