@@ -238,3 +238,12 @@ def test_llama_family_matches_transformers(kind):
     assert (ref[mask.bool()] - ours[mask.bool()]).abs().max().item() < ATOL
     gen = hf.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=12, do_sample=False)
     assert L.generate(model, ids[:1], 12).tolist() == gen[:, 20:].tolist()
+
+
+def test_batch_that_does_not_fit_is_a_clear_error(lm):
+    from utils import llama
+    from utils.errors import OutOfMemoryError
+
+    model = llama.Llama.from_hf(lm.model)
+    with pytest.raises(OutOfMemoryError, match=r"KV cache for 100000 sequence\(s\).*Reduce the batch size"):
+        model.new_cache(batch=100_000, max_len=8_192)

@@ -353,8 +353,16 @@ class Llama(nn.Module):
         return self.embed.weight.device
 
     def new_cache(self, batch: int, max_len: int, static: bool = False) -> KVCache:
-        """A zeroed KV cache for ``batch`` sequences of up to ``max_len`` tokens."""
+        """A zeroed KV cache for ``batch`` sequences of up to ``max_len`` tokens.
+
+        Raises :class:`~utils.errors.OutOfMemoryError`, with the numbers, when the cache
+        would not fit in the device's free memory (instead of failing inside torch).
+        """
+        from .hardware import check_fits
+
         a = self.args
+        nbytes = 2 * a.n_layers * batch * a.n_kv_heads * max_len * a.head_dim * self.dtype.itemsize
+        check_fits(nbytes, self.device, what=f"a KV cache for {batch} sequence(s) x {max_len} tokens")
         return KVCache(a.n_layers, batch, a.n_kv_heads, max_len, a.head_dim,
                        self.dtype, self.device, static)
 
