@@ -1,0 +1,185 @@
+"""utils.quant: error bounds, exact packing, layers ≈ nn.Linear, kernels ≈ reference, honest bytes.
+
+Tolerances, and why:
+- int8 absmax: every de-quantized weight is within half a step, ``scale_o / 2 = max|W_o| / 254``.
+- int4 (group g, asymmetric): within half a step of its group, ``(max - min) / 30``.
+- layer outputs on Gaussian weights and inputs: int8 within 1% relative (Frobenius) error
+  (measured ~0.4%), int4 at group 32 within 10% (measured ~6%).
+- kernel vs reference: 1e-4 relative in float32, 2% in bfloat16 (bf16 keeps 8 bits).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from utils.quant import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, pack_int4,
+                         quantize_int4, quantize_int4_unpacked, quantize_int8, unpack_int4,
+                         weight_bytes)
+
+IN, OUT = 256, 96  # OUT a multiple of 16: the CPU int4 kernel needs it
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.fixture
+def linear() -> nn.Linear:
+    torch.manual_seed(0)
+    layer = nn.Linear(IN, OUT)
+    nn.init.normal_(layer.weight, std=0.05)
+    return layer
+
+
+@pytest.fixture
+def x() -> torch.Tensor:
+    return torch.randn(2, 3, IN, generator=torch.Generator().manual_seed(1))
+
+
+def test_int8_shapes_dtypes_and_error_bound(linear: nn.Linear) -> None:
+    w = linear.weight.detach()
+    q, scale = quantize_int8(w)
+    assert q.shape == (OUT, IN) and q.dtype == torch.int8
+    assert scale.shape == (OUT,) and scale.dtype == torch.float32
+    assert int(q.abs().max()) == 127  # each row's largest weight uses the full range
+    err = (dequantize_int8(q, scale) - w).abs()
+    assert bool((err <= scale[:, None] / 2 * (1 + 1e-5) + 1e-8).all())
+    torch.testing.assert_close(scale, w.abs().amax(dim=1) / 127)
+
+
+def test_int8_zero_row_does_not_divide_by_zero() -> None:
+    w = torch.zeros(2, 8)
+    w[1] = torch.linspace(-1, 1, 8)
+    q, scale = quantize_int8(w)
+    assert torch.isfinite(scale).all() and bool((q[0] == 0).all())
+    assert torch.equal(dequantize_int8(q, scale)[0], torch.zeros(8))
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int4_error_bound_and_range(linear: nn.Linear, group_size: int) -> None:
+    w = linear.weight.detach()
+    q, scales, zeros = quantize_int4_unpacked(w, group_size)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15
+    assert scales.shape == zeros.shape == (OUT, IN // group_size)
+    packed, scales2, zeros2 = quantize_int4(w, group_size)
+    assert packed.shape == (OUT, IN // 2) and packed.dtype == torch.uint8
+    assert torch.equal(scales, scales2) and torch.equal(zeros, zeros2)
+    err = (dequantize_int4(packed, scales, zeros, group_size) - w).abs()
+    bound = (scales / 2).repeat_interleave(group_size, dim=1)
+    assert bool((err <= bound * (1 + 1e-4) + 1e-7).all())
+    groups = w.reshape(OUT, -1, group_size)  # each group's min -> 0 and max -> 15
+    idx_min, idx_max = groups.argmin(-1, keepdim=True), groups.argmax(-1, keepdim=True)
+    qg = q.reshape(OUT, -1, group_size)
+    assert bool((qg.gather(-1, idx_min) == 0).all()) and bool((qg.gather(-1, idx_max) == 15).all())
+
+
+def test_int4_rejects_ragged_groups() -> None:
+    with pytest.raises(ValueError, match="not a multiple of group_size"):
+        quantize_int4(torch.randn(4, 48), group_size=32)
+
+
+def test_pack_unpack_round_trip() -> None:
+    q = torch.randint(0, 16, (7, 64), dtype=torch.uint8)
+    packed = pack_int4(q)
+    assert packed.shape == (7, 32) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_int4(packed), q)
+    assert int(pack_int4(torch.tensor([3, 12]))[0]) == 3 | (12 << 4)  # even index: low nibble
+    every_byte = torch.arange(256, dtype=torch.uint8)
+    assert torch.equal(pack_int4(unpack_int4(every_byte)), every_byte)
+    with pytest.raises(ValueError, match="even"):
+        pack_int4(torch.zeros(3, 5))
+
+
+@pytest.mark.parametrize("cls, kwargs, tol", [(Int8Linear, {}, 0.01),
+                                              (Int4Linear, {"group_size": 32}, 0.10)])
+@pytest.mark.parametrize("use_kernel", [None, False])
+def test_quantized_linear_matches_nn_linear(linear: nn.Linear, x: torch.Tensor, cls: type,
+                                            kwargs: dict, tol: float, use_kernel: bool | None) -> None:
+    layer = cls.from_linear(linear, use_kernel=use_kernel, **kwargs)
+    with torch.no_grad():
+        want, got = linear(x), layer(x)
+    assert got.shape == want.shape == (2, 3, OUT)
+    assert rel_err(got, want) < tol
+    assert (layer.in_features, layer.out_features) == (IN, OUT)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.02)])
+@pytest.mark.parametrize("make", [lambda lin, dt, k: Int8Linear.from_linear(lin, dtype=dt, use_kernel=k),
+                                  lambda lin, dt, k: Int4Linear.from_linear(lin, 32, dtype=dt, use_kernel=k)],
+                         ids=["int8", "int4"])
+def test_kernel_path_equals_reference_path(linear: nn.Linear, x: torch.Tensor, make,
+                                           dtype: torch.dtype, tol: float) -> None:
+    fast, ref = make(linear, dtype, None), make(linear, dtype, False)
+    assert ref.path == "reference"
+    if not fast.use_kernel:  # e.g. a torch build without the kernel: the fallback must say why
+        assert fast.kernel_note.startswith("reference path")
+        pytest.skip(f"no kernel here: {fast.kernel_note}")
+    with torch.no_grad():
+        a, b = fast(x.to(dtype)), ref(x.to(dtype))
+    assert a.dtype == b.dtype == dtype
+    assert rel_err(a, b) < tol
+
+
+def test_kernel_falls_back_cleanly_or_raises_when_forced() -> None:
+    odd = nn.Linear(64, 40)  # 40 output rows: the CPU int4 kernel wants a multiple of 16
+    layer = Int4Linear.from_linear(odd, 32)
+    assert layer.path == "reference" and "reference path" in layer.kernel_note
+    inputs = torch.randn(3, 64)
+    with torch.no_grad():
+        assert rel_err(layer(inputs), odd(inputs)) < 0.1
+    with pytest.raises(RuntimeError, match="kernel was asked for"):
+        Int4Linear.from_linear(odd, 32, use_kernel=True)
+
+
+def test_dequantized_weights_are_inspectable(linear: nn.Linear) -> None:
+    w = linear.weight.detach()
+    assert rel_err(Int8Linear.from_linear(linear).dequantized_weight(), w) < 0.01
+    assert rel_err(Int4Linear.from_linear(linear, 32, use_kernel=False).dequantized_weight(), w) < 0.1
+
+
+def test_weight_bytes_counts_real_storage(linear: nn.Linear) -> None:
+    fp32 = weight_bytes(linear)
+    assert fp32 == (IN * OUT + OUT) * 4
+    int8 = Int8Linear.from_linear(linear)  # q + fp32 scale + fp32 bias
+    assert weight_bytes(int8) == IN * OUT + OUT * 4 + OUT * 4
+    assert weight_bytes(int8) / fp32 == pytest.approx(0.25, abs=0.01)
+    for use_kernel in (None, False):  # same bytes in either layout
+        int4 = Int4Linear.from_linear(linear, 32, dtype=torch.bfloat16, use_kernel=use_kernel)
+        assert weight_bytes(int4) == IN * OUT // 2 + 2 * 2 * OUT * IN // 32 + OUT * 2
+
+
+def test_weight_bytes_counts_tied_once_and_skips_non_persistent() -> None:
+    model = nn.Module()
+    model.embed = nn.Embedding(100, 16)
+    model.head = nn.Linear(16, 100, bias=False)
+    model.head.weight = model.embed.weight  # tied
+    model.register_buffer("rope_table", torch.zeros(1000), persistent=False)
+    assert weight_bytes(model) == 100 * 16 * 4
+
+
+def test_weight_bytes_of_torchao_weights(linear: nn.Linear) -> None:
+    import utils  # noqa: F401  (quiets torchao's import-time logging)
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    model = nn.Sequential(nn.Linear(IN, OUT, bias=False)).to(torch.bfloat16)
+    quantize_(model, Int8WeightOnlyConfig())
+    got = weight_bytes(model)
+    assert IN * OUT <= got <= IN * OUT + OUT * 8  # int8 data plus per-row scale (and zero point)
+
+
+def test_a_wrong_kernel_is_caught_by_the_probe(linear: nn.Linear, monkeypatch: pytest.MonkeyPatch) -> None:
+    from utils import quant
+
+    monkeypatch.setattr(quant, "int8_matmul_kernel", lambda x, q, scale: -int8_reference(x, q, scale))
+    layer = Int8Linear.from_linear(linear)
+    assert layer.path == "reference" and "disagrees" in layer.kernel_note
+    with pytest.raises(RuntimeError, match="disagrees"):
+        Int8Linear.from_linear(linear, use_kernel=True)
+
+
+def int8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    from utils.quant import int8_matmul_reference
+
+    return int8_matmul_reference(x, q, scale)

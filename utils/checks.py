@@ -1,0 +1,166 @@
+"""Checks for lab answers: a clear verdict, and on failure, what exactly is wrong.
+
+Each ``check_*`` function prints ``✓ <name>`` when the answer is right (and returns
+None, so a check on a cell's last line echoes nothing) and raises
+:class:`CheckFailed` (an ``AssertionError``, so pytest and nbval treat it as a failed
+assert) with a message that says what was expected, what was got, and where they
+differ. They accept torch tensors (any dtype or device), numpy arrays, Python numbers
+and nested lists of numbers.
+
+How ``check_close`` decides: element-wise ``|got - expected| <= atol + rtol * |expected|``,
+the rule of ``torch.allclose`` and ``numpy.allclose``; NaN only matches NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+PASS_MARK = "✓"
+
+
+class CheckFailed(AssertionError):
+    """A lab answer is wrong; the message says how."""
+
+
+def passed(name: str, detail: str = "") -> None:
+    """Print the one-line success verdict."""
+    print(f"{PASS_MARK} {name}" + (f"  ({detail})" if detail else ""))
+
+
+def fail(name: str, message: str) -> None:
+    """Raise :class:`CheckFailed` for ``name`` with ``message``."""
+    raise CheckFailed(f"✗ {name}: {message}")
+
+
+def as_array(value: Any) -> np.ndarray:
+    """``value`` as a numpy array (torch tensors are detached, moved to CPU, low floats widened)."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, without importing torch
+        tensor = value.detach().cpu()
+        if tensor.is_floating_point() and tensor.dtype.itemsize < 4:
+            tensor = tensor.float()  # numpy has no bfloat16
+        return tensor.numpy()
+    return np.asarray(value)
+
+
+def shape_of(value: Any) -> tuple[int, ...]:
+    """The shape of a tensor/array, or ``value`` itself when it already is a shape."""
+    if hasattr(value, "shape"):
+        return tuple(int(n) for n in value.shape)
+    if isinstance(value, (tuple, list)) and all(isinstance(n, (int, np.integer)) for n in value):
+        return tuple(int(n) for n in value)
+    return tuple(np.shape(value))
+
+
+def _type_name(value: Any) -> str:
+    if hasattr(value, "dtype") and hasattr(value, "shape"):
+        return f"{type(value).__name__} of shape {shape_of(value)} and dtype {value.dtype}"
+    return type(value).__name__
+
+
+def _require_same_shape(name: str, got: np.ndarray, expected: np.ndarray) -> None:
+    if got.shape != expected.shape:
+        fail(name, f"shape {got.shape} was expected to be {expected.shape}.")
+
+
+def _where(index: tuple[int, ...]) -> str:
+    return f" at index {list(index)}" if index else ""
+
+
+def check_close(name: str, got: Any, expected: Any, rtol: float = 1e-5, atol: float = 1e-8) -> None:
+    """Pass if ``got`` ≈ ``expected`` element-wise (the success line shows the max absolute error).
+
+    On failure the message gives the shape mismatch, or the number of elements off,
+    the worst one's index, its got/expected values, and the max abs and relative error.
+    """
+    g = as_array(got).astype(np.float64)
+    e = as_array(expected).astype(np.float64)
+    _require_same_shape(name, g, e)
+    if g.size == 0:
+        passed(name, "empty")
+        return
+    err = np.abs(g - e)
+    err = np.where(np.isnan(g) & np.isnan(e), 0.0, np.where(np.isnan(g) | np.isnan(e), np.inf, err))
+    err = np.where(np.isinf(g) & np.isinf(e) & (np.sign(g) == np.sign(e)), 0.0, err)
+    bad = ~(err <= atol + rtol * np.where(np.isfinite(e), np.abs(e), 0.0))
+    max_err = float(np.max(err))
+    if bad.any():
+        worst = np.unravel_index(int(np.argmax(np.where(bad, err, -1.0))), err.shape)
+        rel = max_err / max(float(np.max(np.abs(e[np.isfinite(e)]), initial=0.0)), 1e-30)
+        fail(name, f"{int(bad.sum())} of {bad.size} values differ beyond tolerance "
+                   f"(rtol={rtol:g}, atol={atol:g}); worst{_where(tuple(map(int, worst)))}: "
+                   f"got {g[worst]:.6g}, expected {e[worst]:.6g}. Max abs error {max_err:.3g} "
+                   f"({rel:.3g} of the largest |expected|).")
+    passed(name, f"max abs error {max_err:.3g}")
+
+
+def check_equal(name: str, got: Any, expected: Any) -> None:
+    """Pass if ``got`` equals ``expected`` exactly (element-wise for tensors/arrays)."""
+    array_like = any(hasattr(v, "shape") for v in (got, expected))
+    if not array_like:
+        if got != expected:
+            fail(name, f"got {got!r}, expected {expected!r}.")
+        passed(name)
+        return
+    g, e = as_array(got), as_array(expected)
+    _require_same_shape(name, g, e)
+    bad = g != e
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        fail(name, f"{int(bad.sum())} of {bad.size} values differ; first{_where(first)}: "
+                   f"got {g[first].item()!r}, expected {e[first].item()!r}.")
+    passed(name)
+
+
+def check_shape(name: str, got: Any, expected: Sequence[int]) -> None:
+    """Pass if the shape of ``got`` (or ``got`` itself, when a shape) is ``expected``."""
+    shape, want = shape_of(got), tuple(int(n) for n in expected)
+    if shape != want:
+        fail(name, f"shape {shape} was expected to be {want} (got a {_type_name(got)}).")
+    passed(name, f"shape {shape}")
+
+
+def dtype_name(dtype: Any) -> str:
+    """A comparable name for a torch/numpy dtype or a string: ``torch.int8`` -> ``int8``."""
+    text = str(dtype)
+    if text.startswith("torch."):
+        return text.removeprefix("torch.")
+    try:
+        return np.dtype(dtype).name  # np.float32, "f4", "float32" -> "float32"
+    except TypeError:
+        return text
+
+
+def check_dtype(name: str, got: Any, expected: Any) -> None:
+    """Pass if the dtype of ``got`` (a tensor/array, or a dtype) is ``expected``."""
+    have = dtype_name(getattr(got, "dtype", got))
+    want = dtype_name(expected)
+    if have != want:
+        fail(name, f"dtype {have} was expected to be {want}.")
+    passed(name, f"dtype {have}")
+
+
+def _as_number(name: str, value: Any) -> float:
+    array = as_array(value)
+    if array.size != 1:
+        fail(name, f"expected a single number, got a {_type_name(value)}.")
+    return float(array.reshape(()))
+
+
+def check_between(name: str, value: Any, low: float = -math.inf, high: float = math.inf) -> None:
+    """Pass if ``low <= value <= high`` (a single number: a float, a 1-element tensor or array)."""
+    number = _as_number(name, value)
+    if not (low <= number <= high):  # also catches NaN
+        side = "below the lowest allowed" if number < low else "above the highest allowed"
+        fail(name, f"{number:.6g} is {side}; expected between {low:.6g} and {high:.6g}."
+             if not math.isnan(number) else f"got NaN; expected between {low:.6g} and {high:.6g}.")
+    passed(name, f"{number:.4g} in [{low:.4g}, {high:.4g}]")
+
+
+def check_true(name: str, condition: Any, message: str = "the condition does not hold.") -> None:
+    """Pass if ``condition`` is true; otherwise fail with ``message``."""
+    if not bool(condition):
+        fail(name, message)
+    passed(name)
