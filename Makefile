@@ -51,5 +51,9 @@ bench: setup
 labs: setup
 	$(PY) -m tools.make_labs
 
+# Fail if labs/ is out of date with solutions/ (also a unit test).
+check-labs: setup
+	$(PY) -m tools.make_labs --check
+
 clean:
 	rm -rf $(VENV) .cache
