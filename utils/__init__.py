@@ -11,6 +11,9 @@ One module per concept:
 - ``roofline``  the arithmetic: ceilings, intensity, the total-time model, KV bytes
 - ``plotting``  one consistent plot style
 - ``llama``     a hand-written Llama forward pass with a preallocated KV cache
+- ``quant``     weight-only int8 / int4 quantization (reference and PyTorch kernels)
+- ``checks``    the labs' check functions: a verdict that says what is wrong
+- ``bench``     the reference benchmark (``make bench``; last line JSON)
 """
 
 import logging as _logging
