@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from typing import Any
 
@@ -28,21 +29,17 @@ from .roofline import decode_bytes_per_token, decode_ceiling_tok_s
 
 def hand_written_decode_tok_s(lm: LoadedModel, prompt_tokens: int, new_tokens: int,
                               repeats: int) -> float | None:
-    """Decode tok/s of utils.llama's loop (None when that module is unavailable)."""
+    """Median decode tok/s of utils.llama's loop (None when that module is unavailable)."""
     try:
         from . import llama
     except ImportError:
         return None
     from .phases import filler_ids
-    from .timing import measure
 
     model = llama.Llama.from_hf(lm.model)
     ids = filler_ids(lm.tokenizer, prompt_tokens, lm.device)
-    total = measure(lambda: llama.generate(model, ids, max_new_tokens=new_tokens + 1),
-                    warmup=1, repeats=repeats, device=lm.device).median
-    prefill = measure(lambda: llama.generate(model, ids, max_new_tokens=1),
-                      warmup=1, repeats=repeats, device=lm.device).median
-    return new_tokens / max(total - prefill, 1e-9)
+    runs = [llama.decode_tokens_per_second(model, ids, new_tokens) for _ in range(repeats)]
+    return statistics.median(runs)
 
 
 def run(lm: LoadedModel, prompt_lengths: list[int], new_tokens: int, repeats: int) -> dict[str, Any]:

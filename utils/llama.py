@@ -55,6 +55,7 @@ from .errors import (
     check_prompt_length,
     check_token_count,
 )
+from .timing import synchronize
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -359,9 +360,10 @@ class Llama(nn.Module):
         would not fit in the device's free memory (instead of failing inside torch).
         """
         from .hardware import check_fits
+        from .roofline import kv_cache_bytes
 
         a = self.args
-        nbytes = 2 * a.n_layers * batch * a.n_kv_heads * max_len * a.head_dim * self.dtype.itemsize
+        nbytes = kv_cache_bytes(a.n_layers, a.n_kv_heads, a.head_dim, self.dtype.itemsize, max_len, batch)
         check_fits(nbytes, self.device, what=f"a KV cache for {batch} sequence(s) x {max_len} tokens")
         return KVCache(a.n_layers, batch, a.n_kv_heads, max_len, a.head_dim,
                        self.dtype, self.device, static)
@@ -686,16 +688,13 @@ def decode_tokens_per_second(model: Llama, input_ids: Tensor, n_tokens: int = 32
     cache = model.new_cache(ids.shape[0], ids.shape[1] + n_tokens + 1, static=static)
     token = prefill(model, cache, ids).argmax(dim=-1)
     decode_one_token(model, cache, token, step)  # warm-up
-    _sync(model.device)
+    synchronize(model.device)
     start = time.perf_counter()
     decode_n_tokens(model, cache, token, n_tokens, step=step)
-    _sync(model.device)
+    synchronize(model.device)
     return n_tokens * ids.shape[0] / (time.perf_counter() - start)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 __all__ = [

@@ -70,7 +70,9 @@ class ModelSpec:
     @property
     def kv_bytes_per_token(self) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.bytes_per_param
+        from .roofline import kv_bytes_per_token
+
+        return int(kv_bytes_per_token(self.n_layers, self.n_kv_heads, self.head_dim, self.bytes_per_param))
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
