@@ -1,4 +1,4 @@
-"""The hand-written Llama (utils.llama) against transformers: same logits, same tokens.
+"""The hand-written Llama (utils.llama, utils.llama_phases) against transformers: same logits, same tokens.
 
 ``lm`` (conftest.py) is the embedded model in float32 on CPU.
 
@@ -12,10 +12,14 @@ import pytest
 import torch
 from torch import nn
 
+from utils import engine as E
 from utils import llama as L
+from utils import llama_phases as P
+from utils.sampling import Sampling
 from utils.errors import (
     EmptyPromptError,
     InvalidTokenCountError,
+    InvalidTokenIdError,
     PromptTooLongError,
     UnsupportedArchitectureError,
     WorkbookError,
@@ -56,7 +60,7 @@ def test_logits_match_transformers(lm, model):
     ids, mask = left_padded(lm.tokenizer, ["The capital of France is", "Hello"])
     with torch.inference_mode():
         ref = lm.model(input_ids=ids, attention_mask=mask).logits
-    ours = L.forward_no_cache(model, ids, mask)
+    ours = P.forward_no_cache(model, ids, mask)
     real = mask.bool()  # padding positions are garbage in both: compare real tokens only
     diff = (ref[real] - ours[real]).abs().max().item()
     assert diff < ATOL, f"max |logit difference| {diff:.2e} >= {ATOL}"
@@ -66,7 +70,7 @@ def test_logits_match_transformers(lm, model):
 def chat(lm, model):
     """The CHAT prompts (3 different lengths) and our greedy tokens for each, run alone."""
     prompts = [chat_ids(lm.tokenizer, t) for t in CHAT]
-    return prompts, [L.generate(model, p, N_NEW, eos_token_id=lm.tokenizer.eos_token_id)[0]
+    return prompts, [E.generate(model, p, N_NEW, eos_token_id=lm.tokenizer.eos_token_id)[0]
                      for p in prompts]
 
 
@@ -87,47 +91,45 @@ def test_batch_left_padded_equals_alone(lm, model, chat):
     mask = torch.zeros(3, width, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, width - p.shape[1]:], mask[i, width - p.shape[1]:] = p[0], 1
-    batched = L.generate(model, ids, N_NEW, attention_mask=mask)
+    batched = E.generate(model, ids, N_NEW, mask)
     for i, text in enumerate(CHAT):
         assert batched[i].tolist() == alone[i].tolist(), text
 
 
 def test_cached_equals_no_cache(model, chat):
     (ids, *_), (alone, *_) = chat
-    assert L.generate_no_cache(model, ids, 8)[0].tolist() == alone[:8].tolist()
+    assert E.generate_no_cache(model, ids, 8)[0].tolist() == alone[:8].tolist()
 
 
 def test_static_cache_equals_filled_only(model, chat):
     """The compile-ready path (attend to all slots, masked) gives the same tokens."""
     (ids, *_), (alone, *_) = chat
-    assert L.generate(model, ids, 8, static=True)[0].tolist() == alone[:8].tolist()
+    assert E.generate(model, ids, 8, static=True)[0].tolist() == alone[:8].tolist()
 
 
 def test_sampling_is_reproducible(model, chat):
     (ids, *_), (alone, *_) = chat
-    draw = [L.generate(model, ids, 4, temperature=0.8, top_k=20,
-                       generator=torch.Generator().manual_seed(0)) for _ in range(2)]
+    draw = [E.generate(model, ids, 4, sampling=Sampling(0.8, top_k=20, seed=0)) for _ in range(2)]
     assert draw[0].tolist() == draw[1].tolist()
-    assert L.generate(model, ids, 4, temperature=1.0, top_k=1)[0].tolist() == alone[:4].tolist()
+    assert E.generate(model, ids, 4, sampling=Sampling(1.0, top_k=1))[0].tolist() == alone[:4].tolist()
 
 
 def test_extend_equals_full_pass(lm, model):
     """Prefill, then append 3 tokens at once (a speculative verify step): same logits."""
     ids = lm.tokenizer("One, two, three, four, five", return_tensors="pt").input_ids
     cache = model.new_cache(1, ids.shape[1])
-    L.prefill(model, cache, ids[:, :-3])
-    tail = L.extend(model, cache, ids[:, -3:])
-    full = L.forward_no_cache(model, ids)[:, -3:]
+    P.prefill(model, cache, ids[:, :-3])
+    tail = P.extend(model, cache, ids[:, -3:])
+    full = P.forward_no_cache(model, ids)[:, -3:]
     assert (tail - full).abs().max().item() < ATOL
     assert cache.length == ids.shape[1]
 
 
-def test_sampling_is_reproducible(lm, model):
+def test_seeded_top_p_sampling_is_reproducible_and_top_p_tiny_is_greedy(lm, model):
     ids = lm.tokenizer("My favourite colour is", return_tensors="pt").input_ids
-    draw = [L.generate(model, ids, 8, temperature=0.8, top_k=20,
-                       generator=torch.Generator().manual_seed(0)) for _ in range(2)]
+    draw = [E.generate(model, ids, 8, sampling=Sampling(0.8, top_p=0.9, seed=0)) for _ in range(2)]
     assert draw[0].tolist() == draw[1].tolist()
-    assert L.generate(model, ids, 8, temperature=1.0, top_k=1).tolist() == L.generate(model, ids, 8).tolist()
+    assert E.generate(model, ids, 8, sampling=Sampling(1.0, top_p=1e-6)).tolist() == E.generate(model, ids, 8).tolist()
 
 
 def test_kv_cache_bytes_equal_formula(lm, model):
@@ -154,10 +156,10 @@ def test_projections_are_swappable(model):
             return self.inner(x)
 
     ids = torch.tensor([[1, 2, 3, 4]])
-    before = L.forward_no_cache(model, ids)
+    before = P.forward_no_cache(model, ids)
     old = L.replace_linear(model, "layers.0.mlp.down_proj", Wrapped(model.layers[0].mlp.down_proj))
     try:
-        assert torch.equal(L.forward_no_cache(model, ids), before)
+        assert torch.equal(P.forward_no_cache(model, ids), before)
         assert dict(L.iter_linears(model))["layers.0.mlp.down_proj"] is not old
         with pytest.raises(KeyError, match="not a projection"):
             L.replace_linear(model, "layers.0.mlp.nope", old)
@@ -173,23 +175,27 @@ def test_projections_are_swappable(model):
 def test_errors(lm, model):
     ids = torch.tensor([[1, 2, 3]])
     with pytest.raises(EmptyPromptError, match="empty"):
-        L.generate(model, torch.zeros(1, 0, dtype=torch.long), 4)
+        E.generate(model, torch.zeros(1, 0, dtype=torch.long), 4)
     with pytest.raises(EmptyPromptError, match="all padding"):
-        L.generate(model, ids, 4, attention_mask=torch.tensor([[0, 0, 0]]))
+        E.generate(model, ids, 4, torch.tensor([[0, 0, 0]]))
     for bad in (0, -3):
-        with pytest.raises(InvalidTokenCountError, match="max_new_tokens must be a positive integer"):
-            L.generate(model, ids, bad)
+        with pytest.raises(InvalidTokenCountError, match="max_new_tokens must be a positive whole number"):
+            E.generate(model, ids, bad)
     ctx = lm.spec.max_context
     with pytest.raises(PromptTooLongError, match=f"3 tokens and {ctx} more.*{ctx + 3} in all.*holds {ctx}"):
-        L.generate(model, ids, ctx)
+        E.generate(model, ids, ctx)
     with pytest.raises(PromptTooLongError, match="holds 2"):
-        L.prefill(model, model.new_cache(1, 2), ids)
+        P.prefill(model, model.new_cache(1, 2), ids)
     cache = model.new_cache(1, 3)
-    L.prefill(model, cache, ids)
+    P.prefill(model, cache, ids)
     with pytest.raises(PromptTooLongError, match="cache is full: 3 of 3"):
-        L.decode_one_token(model, cache, torch.tensor([5]))
+        P.decode_one_token(model, cache, torch.tensor([5]))
     with pytest.raises(WorkbookError, match="LEFT-padded"):
-        L.generate(model, ids, 2, attention_mask=torch.tensor([[1, 1, 0]]))
+        E.generate(model, ids, 2, torch.tensor([[1, 1, 0]]))
+    with pytest.raises(InvalidTokenIdError, match=f"Token id {lm.spec.vocab_size} is outside the vocabulary"):
+        E.generate(model, torch.tensor([[1, lm.spec.vocab_size]]), 2)
+    with pytest.raises(InvalidTokenIdError, match="Token id -1"):
+        E.generate(lm.model, torch.tensor([[1, -1]]), 2)
 
 
 def test_unsupported_architecture_is_named():
@@ -234,10 +240,10 @@ def test_llama_family_matches_transformers(kind):
     mask[1, :6] = 0  # second row left-padded
     with torch.inference_mode():
         ref = hf(input_ids=ids, attention_mask=mask).logits
-    ours = L.forward_no_cache(model, ids, mask)
+    ours = P.forward_no_cache(model, ids, mask)
     assert (ref[mask.bool()] - ours[mask.bool()]).abs().max().item() < ATOL
     gen = hf.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=12, do_sample=False)
-    assert L.generate(model, ids[:1], 12).tolist() == gen[:, 20:].tolist()
+    assert E.generate(model, ids[:1], 12).tolist() == gen[:, 20:].tolist()
 
 
 def test_batch_that_does_not_fit_is_a_clear_error(lm):

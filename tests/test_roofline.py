@@ -76,9 +76,9 @@ def test_prefill_flops_weights_only_is_2_params_tokens():
 
 
 def test_prefill_flops_attention_term():
-    # 2 x layers x hidden x T^2 (causal half of QK^T and AV)
+    # 2 x layers x hidden x T(T+1): the causal lower triangle of QK^T and AV
     assert rl.prefill_flops(8e9, 1000, n_layers=32, hidden_size=4096) == pytest.approx(
-        2 * 8e9 * 1000 + 2 * 32 * 4096 * 1000**2)
+        2 * 8e9 * 1000 + 2 * 32 * 4096 * 1000 * 1001)
     # at 8k tokens attention is ~13% of an 8B model's prefill work
     total = rl.prefill_flops(8e9, 8192, n_layers=32, hidden_size=4096)
     share = 1 - 2 * 8e9 * 8192 / total
@@ -211,3 +211,35 @@ def test_bad_shapes_and_fractions_raise():
 def test_errors_are_value_errors_for_plain_except():
     with pytest.raises(ValueError):
         rl.ridge_point(-1, 1)
+
+
+def test_attention_flops_is_the_causal_triangle():
+    # prefill of T: every query sees itself and the earlier ones: 4·L·d·T(T+1)/2
+    assert rl.attention_flops(2, 8, 4) == 4 * 2 * 8 * (1 + 2 + 3 + 4)
+    # one decode step at context c sees c + 1 keys
+    assert rl.attention_flops(2, 8, 1, cached_tokens=99) == 4 * 2 * 8 * 100
+    # extend = the same keys as token-by-token
+    assert rl.attention_flops(3, 16, 5, 10) == sum(rl.attention_flops(3, 16, 1, 10 + i) for i in range(5))
+    with pytest.raises(WorkbookError, match="new_tokens"):
+        rl.attention_flops(2, 8, 0)
+
+
+def test_untied_input_embedding_is_not_read_per_token():
+    # Llama-3-8B: 8.03 B parameters, untied 128,256 x 4,096 embedding, bf16
+    read = rl.weight_bytes_read_per_token(8.03e9, 2, 128_256, 4_096, tied_embeddings=False)
+    assert 14.9e9 < read < 15.1e9
+    assert rl.weight_bytes_read_per_token(1e6, 4, 1000, 100, tied_embeddings=True) == 4e6
+    with pytest.raises(WorkbookError, match="must exceed the embedding"):
+        rl.weight_bytes_read_per_token(1e3, 2, 1000, 100, tied_embeddings=False)
+
+
+def test_request_cost_prices_input_output_and_cache_hits():
+    assert rl.request_cost(1_000_000, 0, 0.5, 2.0) == pytest.approx(0.5)
+    assert rl.request_cost(1000, 500, 0.5, 2.0) == pytest.approx((1000 * 0.5 + 500 * 2.0) / 1e6)
+    assert rl.request_cost(1000, 0, 1.0, 2.0, cached_input_tokens=800,
+                           usd_per_m_cached_input=0.1) == pytest.approx((200 * 1.0 + 800 * 0.1) / 1e6)
+    with pytest.raises(WorkbookError, match="cannot exceed"):
+        rl.request_cost(10, 0, 1, 1, cached_input_tokens=11)
+    with pytest.raises(WorkbookError, match="input_tokens"):
+        rl.request_cost(-1, 0, 1, 1)
+    assert rl.request_cost(20e3, 0, 1.0, 1.0) == pytest.approx(0.02)  # 20e3 is a count, as everywhere

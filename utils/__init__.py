@@ -1,19 +1,26 @@
 """Helpers for the prefill/decode workbook.
 
-One module per concept:
+One module per concept, listed bottom to top: a module imports only modules above
+it in this list (``tests/test_layering.py`` checks it).
 
-- ``models``    load the embedded default model (offline) or another one; its spec
-- ``errors``    the clear errors raised on bad input
-- ``timing``    warm-up, repeats, median and spread, synchronized on CUDA
-- ``phases``    prefill / TTFT and decode measured through transformers with a cache
-- ``meter``     a per-request log line in the style of an inference engine
-- ``hardware``  measured bandwidth and FLOP/s, and a table of accelerators
-- ``roofline``  the arithmetic: ceilings, intensity, the total-time model, KV bytes
-- ``plotting``  one consistent plot style
-- ``llama``     a hand-written Llama forward pass with a preallocated KV cache
-- ``quant``     weight-only int8 / int4 quantization (reference and PyTorch kernels)
-- ``checks``    the labs' check functions: a verdict that says what is wrong
-- ``bench``     the reference benchmark (``make bench``; last line JSON)
+- ``errors``        the clear errors raised on bad input, and the one validator of counts and sizes
+- ``device``        device and dtype policy; device memory and whether something fits
+- ``timing``        warm-up, repeats, median and spread, noise flagged; interleaved A/B; profiles
+- ``roofline``      the arithmetic: ceilings, intensity, attention FLOPs, KV bytes, time and price
+- ``hardware``      measured bandwidth and FLOP/s, the machine's description, a table of accelerators
+- ``plotting``      one consistent plot style
+- ``tokens``        byte-level BPE pieces, chat prompts, filler prompts of exact length
+- ``sampling``      greedy, temperature, top-k, top-p, seeded
+- ``models``        load the embedded default model (offline) or another one; its spec; the test model
+- ``llama``         a hand-written Llama forward pass and its preallocated KV cache
+- ``phases``        prefill / decode / extend through transformers (one backend)
+- ``llama_phases``  prefill / decode / extend through the hand-written model (the other backend)
+- ``engine``        one request engine over either backend: generate, stream, time each phase
+- ``meter``         a per-request log line in the style of an inference engine, and its diagnosis
+- ``quant``         weight-only int8 / int4 quantization (reference and PyTorch kernels)
+- ``checks``        the labs' check functions: a verdict that says what is wrong
+- ``chapter``       the first cell of every chapter: load the model, print the setup
+- ``bench``         the reference benchmark (``make bench``; last line JSON)
 """
 
 import logging as _logging
@@ -24,3 +31,8 @@ for _name in ("torchao", "torch.utils._pytree"):
     _logging.getLogger(_name).setLevel(_logging.ERROR)
 
 __version__ = "0.1.0"
+
+MODULE_ORDER = ("errors", "device", "timing", "roofline", "hardware", "plotting", "tokens", "sampling",
+                "models", "llama", "phases", "llama_phases", "engine", "meter", "quant", "checks",
+                "chapter", "bench")
+"""The package's modules, bottom to top: each imports only modules before it."""

@@ -4,8 +4,8 @@
 
 Measures, with the workbook's protocol (warm-up, repeats, median): memory bandwidth
 and matmul FLOP/s of the device, prefill tok/s at each prompt length, decode tok/s
-through transformers and, when ``utils.llama`` is present, through the hand-written
-loop; then the decode ceiling ``bandwidth / bytes per token`` and the share of it
+through transformers and through the hand-written loop (:func:`utils.engine.decode_speed`
+for both); then the decode ceiling ``bandwidth / bytes per token`` and the share of it
 reached. Prints a readable table, then one JSON line last (machine-readable, for
 collecting results from many machines: ``make bench | tail -1``).
 
@@ -17,29 +17,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from typing import Any
 
+from .engine import decode_speed, measure_decode, measure_prefill
 from .hardware import describe_machine, measure_bandwidth, measure_matmul_flops
+from .llama import Llama
 from .models import LoadedModel, load_model
-from .phases import measure_decode, measure_prefill
 from .roofline import decode_bytes_per_token, decode_ceiling_tok_s
+from .tokens import filler_ids
 
 
-def hand_written_decode_tok_s(lm: LoadedModel, prompt_tokens: int, new_tokens: int,
-                              repeats: int) -> float | None:
-    """Median decode tok/s of utils.llama's loop (None when that module is unavailable)."""
-    try:
-        from . import llama
-    except ImportError:
-        return None
-    from .phases import filler_ids
-
-    model = llama.Llama.from_hf(lm.model)
+def hand_written_decode_tok_s(lm: LoadedModel, prompt_tokens: int, new_tokens: int, repeats: int) -> float:
+    """Median decode tok/s of the hand-written loop (:mod:`utils.llama`) on the same prompt."""
     ids = filler_ids(lm.tokenizer, prompt_tokens, lm.device)
-    runs = [llama.decode_tokens_per_second(model, ids, new_tokens) for _ in range(repeats)]
-    return statistics.median(runs)
+    return decode_speed(Llama.from_hf(lm.model), ids, new_tokens, repeats=repeats).tok_s
 
 
 def run(lm: LoadedModel, prompt_lengths: list[int], new_tokens: int, repeats: int) -> dict[str, Any]:
@@ -49,7 +41,7 @@ def run(lm: LoadedModel, prompt_lengths: list[int], new_tokens: int, repeats: in
     prefill = {n: measure_prefill(lm, n, repeats=repeats).tok_s for n in prompt_lengths}
     context = prompt_lengths[0]
     decode = measure_decode(lm, new_tokens, prompt_tokens=context, repeats=repeats).tok_s
-    per_token = decode_bytes_per_token(lm.spec.weight_bytes, lm.spec.kv_bytes_per_token,
+    per_token = decode_bytes_per_token(lm.spec.weight_bytes_read_per_token, lm.spec.kv_bytes_per_token,
                                        context + new_tokens // 2)
     ceiling = decode_ceiling_tok_s(bandwidth, per_token)
     return {
@@ -61,14 +53,10 @@ def run(lm: LoadedModel, prompt_lengths: list[int], new_tokens: int, repeats: in
         "decode_context_tokens": context,
         "decode_new_tokens": new_tokens,
         "decode_tok_s_transformers": round(decode, 2),
-        "decode_tok_s_hand_written": _round(hand_written_decode_tok_s(lm, context, new_tokens, repeats)),
+        "decode_tok_s_hand_written": round(hand_written_decode_tok_s(lm, context, new_tokens, repeats), 2),
         "decode_ceiling_tok_s": round(ceiling, 1),
         "decode_share_of_ceiling": round(decode / ceiling, 3),
     }
-
-
-def _round(x: float | None) -> float | None:
-    return None if x is None else round(x, 2)
 
 
 def print_table(r: dict[str, Any]) -> None:

@@ -1,11 +1,17 @@
-"""Clear errors for bad input.
+"""Clear errors for bad input, and the one validator that raises them.
 
 Every check the workbook makes on what a learner passes in raises one of these,
 with a message that says what was wrong and what to do instead, before anything
-reaches torch.
+reaches torch. Counts, sizes and fractions are all checked by the functions at the
+bottom of this module (:func:`check_count`, :func:`check_number`,
+:func:`check_fraction`), so ``20e3`` tokens means the same everywhere.
 """
 
 from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
 
 
 class WorkbookError(ValueError):
@@ -32,6 +38,10 @@ class InvalidTokenCountError(WorkbookError):
     """A token count that must be positive was not."""
 
 
+class InvalidTokenIdError(WorkbookError):
+    """A token id outside the model's vocabulary."""
+
+
 class UnsupportedDtypeError(WorkbookError):
     """The dtype is unknown or the device cannot run it."""
 
@@ -44,11 +54,47 @@ class OutOfMemoryError(WorkbookError):
     """What was asked for (weights, KV cache, batch) will not fit in the device's memory."""
 
 
-def check_token_count(n: int, name: str = "max_new_tokens") -> int:
-    """Return ``n`` if it is a positive int, else raise :class:`InvalidTokenCountError`."""
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-        raise InvalidTokenCountError(f"{name} must be a positive integer, got {n!r}.")
-    return n
+# ----------------------------------------------------------------------------- the validator
+
+
+def check_count(value: Any, name: str, *, allow_zero: bool = False,
+                error: type[WorkbookError] = WorkbookError) -> int:
+    """Return ``value`` as an int if it is a whole number >= 1 (or >= 0), else raise ``error``.
+
+    A float with no fractional part is accepted (``20e3`` tokens is fine; ``1.5`` is not);
+    ``True``/``False`` are not counts.
+    """
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    ok = (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+          and (value > 0 or (allow_zero and value == 0)))
+    if not ok:
+        need = "zero or a positive whole number" if allow_zero else "a positive whole number"
+        raise error(f"{name} must be {need}, got {value!r}.")
+    return int(value)
+
+
+def check_number(value: Any, name: str, unit: str = "", *, allow_zero: bool = False) -> float:
+    """Return ``value`` as a float if it is a finite positive (or zero) real number."""
+    ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
+          and math.isfinite(value) and (value > 0 or (allow_zero and value == 0)))
+    if not ok:
+        need = "zero or a positive number" if allow_zero else "a positive number"
+        raise WorkbookError(f"{name} must be {need}{f' (in {unit})' if unit else ''}, got {value!r}.")
+    return float(value)
+
+
+def check_fraction(value: Any, name: str) -> float:
+    """Return ``value`` if it lies in [0, 1)."""
+    if (not isinstance(value, numbers.Real) or isinstance(value, bool)
+            or not 0 <= value < 1):
+        raise WorkbookError(f"{name} must be a fraction in [0, 1), got {value!r}.")
+    return float(value)
+
+
+def check_token_count(n: Any, name: str = "max_new_tokens") -> int:
+    """A positive number of tokens, else :class:`InvalidTokenCountError`."""
+    return check_count(n, name, error=InvalidTokenCountError)
 
 
 def check_prompt_length(n_prompt: int, max_context: int, n_new: int = 0) -> None:
@@ -64,3 +110,15 @@ def check_prompt_length(n_prompt: int, max_context: int, n_new: int = 0) -> None
             "Shorten the prompt, ask for fewer tokens, or use a model (or cache) "
             "with a longer context."
         )
+
+
+def check_token_ids(ids: Any, vocab_size: int) -> None:
+    """Raise :class:`InvalidTokenIdError` if any id in the tensor ``ids`` is outside ``[0, vocab_size)``."""
+    if ids.numel() == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise InvalidTokenIdError(
+            f"Token id {bad} is outside the vocabulary (ids 0 .. {vocab_size - 1}, "
+            f"{vocab_size:,} in all). Encode text with this model's own tokenizer.")

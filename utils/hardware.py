@@ -26,8 +26,8 @@ from typing import Any, Callable
 import torch
 
 from . import roofline
-from .errors import OutOfMemoryError, WorkbookError
-from .models import pick_device, resolve_dtype
+from .device import device_memory_bytes, pick_device, resolve_dtype
+from .errors import WorkbookError, check_count, check_number
 from .timing import measure
 
 GB = roofline.GB
@@ -48,8 +48,7 @@ def _calls_per_repeat(fn: Callable[[], Any], device: torch.device, min_seconds: 
 def _median_seconds_per_call(fn: Callable[[], Any], device: torch.device, repeats: int,
                              min_seconds: float = 0.02) -> float:
     """Median seconds of one call of ``fn`` over ``repeats`` timed repeats, after warm-up."""
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise WorkbookError(f"repeats must be a positive whole number, got {repeats!r}.")
+    check_count(repeats, "repeats")
     calls = _calls_per_repeat(fn, device, min_seconds)  # also the warm-up
 
     def repeat() -> None:
@@ -57,15 +56,6 @@ def _median_seconds_per_call(fn: Callable[[], Any], device: torch.device, repeat
             fn()
 
     return measure(repeat, warmup=0, repeats=repeats, device=device, progress=False).median / calls
-
-
-def _positive_size(value: Any, name: str, allow_zero: bool = False) -> float:
-    """Return ``value`` as a float if it is a positive (or zero) number, else raise."""
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not (value > 0 or (allow_zero and value == 0))):
-        need = "zero or a positive number" if allow_zero else "a positive number"
-        raise WorkbookError(f"{name} must be {need}, got {value!r}.")
-    return float(value)
 
 
 def measure_bandwidth(device: str | torch.device | None = None, size_mb: float | None = None,
@@ -81,8 +71,8 @@ def measure_bandwidth(device: str | torch.device | None = None, size_mb: float |
     dev = pick_device(device)
     if method not in ("sum", "copy"):
         raise WorkbookError(f"method must be 'sum' or 'copy', got {method!r}.")
-    mib = _positive_size(size_mb if size_mb is not None else
-                         (256 if dev.type == "cpu" else 1024), "size_mb")
+    mib = check_number(size_mb if size_mb is not None else
+                       (256 if dev.type == "cpu" else 1024), "size_mb", "MiB")
     n = max(1, int(mib * 2**20) // 4)
     src = torch.ones(n, dtype=torch.float32, device=dev)  # ones: every page touched
     if method == "sum":
@@ -106,9 +96,7 @@ def measure_matmul_flops(device: str | torch.device | None = None,
     """
     dev = pick_device(device)
     dt = resolve_dtype(dtype, dev)
-    size = n if n is not None else (1024 if dev.type == "cpu" else 8192)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise WorkbookError(f"n must be a positive whole number, got {n!r}.")
+    size = check_count(n if n is not None else (1024 if dev.type == "cpu" else 8192), "n")
     a = torch.randn(size, size, device=dev).to(dt)
     w = torch.randn(size, size, device=dev).to(dt)
     c = torch.empty(size, size, device=dev, dtype=dt)
@@ -245,90 +233,3 @@ def describe_machine(device: str | torch.device | None = None) -> dict[str, Any]
         "os": platform.platform(),
         "memory_total_bytes": device_memory_bytes(dev).total_bytes,
     }
-
-
-# --------------------------------------------------------------------- memory
-
-
-@dataclass(frozen=True)
-class DeviceMemory:
-    """Memory of a device in bytes: all of it, and what is free for new tensors now."""
-
-    total_bytes: int
-    available_bytes: int
-
-
-def _meminfo_bytes() -> dict[str, int]:
-    """/proc/meminfo as bytes (Linux); empty elsewhere."""
-    try:
-        lines = Path("/proc/meminfo").read_text().splitlines()
-    except OSError:
-        return {}
-    out = {}
-    for line in lines:
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            out[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    return out
-
-
-def _cgroup_limit_bytes() -> int | None:
-    """A container's memory limit (cgroup v2 or v1), if one is set."""
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < 2**60:  # "max" or a huge number: no limit
-            return int(text)
-    return None
-
-
-def _cpu_memory() -> DeviceMemory:
-    info = _meminfo_bytes()
-    total = info.get("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    available = info.get("MemAvailable")
-    if available is None:
-        try:
-            available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-        except (ValueError, OSError):  # macOS has no SC_AVPHYS_PAGES
-            available = total
-    limit = _cgroup_limit_bytes()
-    if limit is not None:
-        total, available = min(total, limit), min(available, limit)
-    return DeviceMemory(int(total), int(available))
-
-
-def device_memory_bytes(device: str | torch.device | None = None) -> DeviceMemory:
-    """Total and available memory of ``device`` (bytes).
-
-    CUDA: ``torch.cuda.mem_get_info`` (free, total). MPS: the recommended working-set
-    size, less what the driver holds. CPU: /proc/meminfo (MemTotal, MemAvailable),
-    capped by a container's cgroup limit; ``os.sysconf`` where there is no /proc.
-    """
-    dev = pick_device(device)
-    if dev.type == "cuda":
-        free, total = torch.cuda.mem_get_info(dev)
-        return DeviceMemory(int(total), int(free))
-    if dev.type == "mps":
-        total = int(torch.mps.recommended_max_memory())
-        return DeviceMemory(total, max(0, total - int(torch.mps.driver_allocated_memory())))
-    return _cpu_memory()
-
-
-def check_fits(bytes_needed: float, device: str | torch.device | None = None,
-               what: str = "this") -> None:
-    """Raise :class:`~utils.errors.OutOfMemoryError` unless ``bytes_needed`` fits now.
-
-    Compares with the device's *available* memory (free now), not its total.
-    """
-    needed = _positive_size(bytes_needed, "bytes_needed (bytes)", allow_zero=True)
-    dev = pick_device(device)
-    mem = device_memory_bytes(dev)
-    if needed > mem.available_bytes:
-        raise OutOfMemoryError(
-            f"{what} needs {needed / GB:.2f} GB but {dev} has {mem.available_bytes / GB:.2f} GB "
-            f"available (of {mem.total_bytes / GB:.2f} GB). Reduce the batch size or the "
-            "context length (the KV cache grows with both), or use a smaller dtype "
-            "(bf16 halves fp32; int8/int4 weights shrink them further).")

@@ -1,33 +1,23 @@
-"""A Llama forward pass written by hand, with a preallocated KV cache.
+"""A Llama forward pass written by hand, and its preallocated KV cache.
 
 The model (read it top to bottom, like nanoGPT's ``model.py``)::
 
     tokens ─ embed ─┬─ [ RMSNorm ─ attention (RoPE, grouped-query) ─ + ]  x n_layers ─ RMSNorm ─ lm_head ─ logits
                     └─ [ RMSNorm ─ SwiGLU MLP ─────────────────────── + ]
 
-Generation has two phases, named as in gpt-fast's ``generate.py``:
+One call of :class:`Llama` runs ``T`` new tokens per row at cache positions ("slots"):
+it writes their K and V into the :class:`KVCache` and attends to the first ``kv_len``
+slots. The phases built on that call (prefill, decode, extend) live in
+:mod:`utils.llama_phases`; the loops that generate with them in :mod:`utils.engine`.
 
-- :func:`prefill` runs the whole prompt in one pass (compute-bound) and fills the
-  KV cache at positions ``0 .. T-1``;
-- :func:`decode_one_token` runs one new token (bandwidth-bound): it writes its K and V
-  at the next position and attends to everything cached before it.
-  :func:`decode_n_tokens` loops it; :func:`generate` does prefill + decode.
-
-The KV cache (:class:`KVCache`) is allocated once per request, sized to what that
-request needs (prompt + new tokens): attending over a huge mostly-empty cache wastes
-bandwidth (on a small CPU a 2,048-slot cache halved decode speed). In eager mode
-each step attends only to the filled positions. Inside one step nothing branches
-in Python on a tensor's *value*, and the cache is written by position, so the step
-can be compiled whole (:func:`compile_decode`, with ``KVCache(static=True)`` so the
-shapes never change).
+The KV cache is allocated once per request, sized to what that request needs
+(prompt + new tokens). Inside one step nothing branches in Python on a tensor's
+*value*, and the cache is written by position, so a step can be compiled whole.
 
 Batches use LEFT padding: every row's last prompt token sits in the same slot, so
 the new tokens of all rows are written at the same position. Padded slots are masked
 out, and RoPE positions are counted from each row's first real token, so every row
 gives the same tokens as when run alone.
-
-:func:`forward_no_cache` / :func:`generate_no_cache` recompute the whole sequence at
-every step: the quadratic baseline that the cache removes.
 
 Every projection is an ``nn.Linear`` at a predictable name (:func:`iter_linears`),
 so the quantization lab can swap them (:func:`replace_linear`).
@@ -39,31 +29,21 @@ Supported: LlamaForCausalLM, MistralForCausalLM (sliding window), Qwen2ForCausal
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .errors import (
-    EmptyPromptError,
-    PromptTooLongError,
-    UnsupportedArchitectureError,
-    WorkbookError,
-    check_prompt_length,
-    check_token_count,
-)
-from .timing import synchronize
+from .device import check_fits
+from .errors import UnsupportedArchitectureError
+from .roofline import kv_cache_bytes
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # The projections of one block, as attribute paths inside ``layers.{i}``.
 BLOCK_LINEARS = ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-
-# A step: (tokens [B, T], slots [T], cache, kv_len, last_only) -> logits [B, T', V].
-StepFn = Callable[..., Tensor]
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -359,9 +339,6 @@ class Llama(nn.Module):
         Raises :class:`~utils.errors.OutOfMemoryError`, with the numbers, when the cache
         would not fit in the device's free memory (instead of failing inside torch).
         """
-        from .hardware import check_fits
-        from .roofline import kv_cache_bytes
-
         a = self.args
         nbytes = kv_cache_bytes(a.n_layers, a.n_kv_heads, a.head_dim, self.dtype.itemsize, max_len, batch)
         check_fits(nbytes, self.device, what=f"a KV cache for {batch} sequence(s) x {max_len} tokens")
@@ -473,234 +450,3 @@ def replace_linear(model: Llama, name: str, new_module: nn.Module) -> nn.Module:
     parent, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, new_module)
     return old
-
-
-# ----------------------------------------------------------------------------- phases
-
-
-def _as_batch(input_ids: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """input_ids as [B, T] long and the mask as [B, T] bool; checks non-empty, left padding."""
-    ids = input_ids if input_ids.dim() == 2 else input_ids.view(1, -1)
-    if ids.shape[1] == 0:
-        raise EmptyPromptError("The prompt is empty: give at least one token of text to prefill.")
-    mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.view(ids.shape).bool()
-    if not bool(mask.any(dim=1).all()):
-        raise EmptyPromptError("A prompt in the batch is all padding: give each row at least one token.")
-    if not bool((mask[:, 1:] >= mask[:, :-1]).all()):
-        raise WorkbookError("The batch must be LEFT-padded (padding before the prompt): "
-                            "set tokenizer.padding_side = 'left'.")
-    return ids, mask
-
-
-@torch.inference_mode()
-def extend(model: Llama, cache: KVCache, tokens: Tensor, last_only: bool = False) -> Tensor:
-    """Append ``tokens`` [B, T] after what ``cache`` holds; return logits [B, T, V] (or [B, 1, V]).
-
-    Attends to the filled slots only. Prefill is extend on an empty cache; a speculative
-    verify step is extend with the draft tokens (then set ``cache.length`` back to roll back).
-    """
-    start, T = cache.length, tokens.shape[1]
-    if start + T > cache.max_len:
-        raise PromptTooLongError(
-            f"The cache holds {cache.max_len} tokens: {start} are filled and {T} more were given "
-            f"({start + T} in all). Make a larger cache (model.new_cache(batch, max_len)).")
-    slots = torch.arange(start, start + T, device=cache.k.device)  # [T]
-    logits = model(tokens, slots, cache, start + T, last_only)
-    cache.length = start + T
-    return logits
-
-
-@torch.inference_mode()
-def prefill(model: Llama, cache: KVCache, input_ids: Tensor,
-            attention_mask: Tensor | None = None) -> Tensor:
-    """Run the prompt [B, T] (left-padded if B > 1) through the model in one pass.
-
-    Resets ``cache`` and fills slots 0..T-1. Returns the logits of the last position [B, V]:
-    the distribution of the first new token.
-    """
-    ids, mask = _as_batch(input_ids, attention_mask)
-    B, T = ids.shape
-    if B != cache.batch:
-        raise ValueError(f"The cache was made for batch {cache.batch}, the prompt has {B} rows.")
-    check_prompt_length(T, cache.max_len)
-    ids, mask = ids.to(cache.k.device), mask.to(cache.k.device)
-    cache.length = 0
-    cache.valid.fill_(True)
-    cache.valid[:, :T] = mask  # padding slots are never attended to
-    cache.n_pad.copy_((~mask).sum(dim=1))  # RoPE position = slot - n_pad
-    return extend(model, cache, ids, last_only=True)[:, -1]
-
-
-@torch.inference_mode()
-def decode_one_token(model: Llama, cache: KVCache, token: Tensor,
-                     step: StepFn | None = None) -> Tensor:
-    """Run one new token per row (``token``: [B] or [B, 1]) at the next slot; logits [B, V].
-
-    Eager: attends to the ``length + 1`` filled slots. ``cache.static``: to all ``max_len``
-    slots (masked), so a compiled ``step`` (:func:`compile_decode`) always sees one shape.
-    """
-    slot = cache.length
-    if slot >= cache.max_len:
-        raise PromptTooLongError(
-            f"The KV cache is full: {cache.max_len} of {cache.max_len} slots are used. "
-            "Make the cache as large as prompt + new tokens.")
-    slots = torch.tensor([slot], device=cache.k.device)  # [1]
-    kv_len = cache.max_len if cache.static else slot + 1
-    run = model if step is None else step  # (a compiled module has no truth value)
-    logits = run(token.view(-1, 1), slots, cache, kv_len)  # [B, 1, V]
-    cache.length = slot + 1
-    return logits[:, -1]
-
-
-def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None,
-           generator: torch.Generator | None = None) -> Tensor:
-    """Next token per row from logits [B, V]: argmax if temperature is 0, else a draw from
-    softmax(logits / temperature), restricted to the top_k most likely tokens if given."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def _eos_tensor(eos_token_id: int | Sequence[int] | None, device: torch.device) -> Tensor | None:
-    if eos_token_id is None:
-        return None
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    return torch.tensor(ids, device=device)
-
-
-@torch.inference_mode()
-def decode_n_tokens(model: Llama, cache: KVCache, token: Tensor, n: int, *,
-                    eos_token_id: int | Sequence[int] | None = None, temperature: float = 0.0,
-                    top_k: int | None = None, generator: torch.Generator | None = None,
-                    step: StepFn | None = None) -> Tensor:
-    """Feed ``token`` [B] (the last sampled one) and sample up to ``n`` more: [B, n'].
-
-    Rows that have produced an end-of-sequence token keep repeating it (as padding);
-    the loop stops early once every row has.
-    """
-    eos = _eos_tensor(eos_token_id, token.device)
-    done = torch.isin(token, eos) if eos is not None else None
-    out: list[Tensor] = []
-    for _ in range(n):
-        if done is not None and bool(done.all()):
-            break
-        logits = decode_one_token(model, cache, token, step)
-        nxt = sample(logits, temperature, top_k, generator)
-        if done is not None:
-            nxt = torch.where(done, eos[0], nxt)
-            done = done | torch.isin(nxt, eos)
-        out.append(nxt)
-        token = nxt
-    return torch.stack(out, dim=1) if out else token.new_empty(token.shape[0], 0)
-
-
-@torch.inference_mode()
-def generate(model: Llama, input_ids: Tensor, max_new_tokens: int,
-             attention_mask: Tensor | None = None, eos_token_id: int | Sequence[int] | None = None,
-             temperature: float = 0.0, top_k: int | None = None,
-             generator: torch.Generator | None = None, step: StepFn | None = None,
-             static: bool = False) -> Tensor:
-    """Prefill, then decode: the NEW tokens [B, n] (n <= max_new_tokens; greedy by default).
-
-    The cache is sized to the request: prompt + max_new_tokens slots.
-    """
-    check_token_count(max_new_tokens)
-    ids, mask = _as_batch(input_ids, attention_mask)
-    B, T = ids.shape
-    check_prompt_length(T, model.args.max_context, max_new_tokens)
-    cache = model.new_cache(B, T + max_new_tokens, static=static)
-    first = sample(prefill(model, cache, ids, mask), temperature, top_k, generator)  # [B]
-    rest = decode_n_tokens(model, cache, first, max_new_tokens - 1, eos_token_id=eos_token_id,
-                           temperature=temperature, top_k=top_k, generator=generator, step=step)
-    return torch.cat([first[:, None], rest], dim=1)
-
-
-# ----------------------------------------------------------------------------- without a cache
-
-
-@torch.inference_mode()
-def forward_no_cache(model: Llama, input_ids: Tensor, attention_mask: Tensor | None = None,
-                     last_only: bool = False) -> Tensor:
-    """Logits [B, T, V] of the whole sequence, computed from scratch (K/V kept only for this pass)."""
-    ids, mask = _as_batch(input_ids, attention_mask)
-    ids, mask = ids.to(model.device), mask.to(model.device)
-    cache = model.new_cache(ids.shape[0], ids.shape[1])  # scratch: thrown away on return
-    cache.valid.copy_(mask)
-    cache.n_pad.copy_((~mask).sum(dim=1))
-    return extend(model, cache, ids, last_only=last_only)
-
-
-@torch.inference_mode()
-def generate_no_cache(model: Llama, input_ids: Tensor, max_new_tokens: int,
-                      attention_mask: Tensor | None = None,
-                      eos_token_id: int | Sequence[int] | None = None) -> Tensor:
-    """Greedy decoding that recomputes the whole sequence for every new token: [B, n].
-
-    Step t processes T + t tokens, so n steps cost ~ n·T + n²/2 token-passes: quadratic.
-    """
-    check_token_count(max_new_tokens)
-    ids, mask = _as_batch(input_ids, attention_mask)
-    check_prompt_length(ids.shape[1], model.args.max_context, max_new_tokens)
-    ids, mask = ids.to(model.device), mask.to(model.device)
-    eos = _eos_tensor(eos_token_id, ids.device)
-    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-    out: list[Tensor] = []
-    for _ in range(max_new_tokens):
-        nxt = forward_no_cache(model, ids, mask, last_only=True)[:, -1].argmax(dim=-1)
-        if eos is not None:
-            nxt = torch.where(done, eos[0], nxt)
-            done = done | torch.isin(nxt, eos)
-        out.append(nxt)
-        ids = torch.cat([ids, nxt[:, None]], dim=1)
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        if eos is not None and bool(done.all()):
-            break
-    return torch.stack(out, dim=1)
-
-
-# ----------------------------------------------------------------------------- speed
-
-
-def compile_decode(model: Llama, mode: str | None = None) -> StepFn:
-    """``torch.compile`` of the one-token step, for ``decode_one_token(..., step=...)``.
-
-    Use it with a static cache (``model.new_cache(..., static=True)`` or
-    ``generate(..., static=True)``) so every call has the same shapes. Default mode:
-    ``reduce-overhead`` (CUDA graphs) on CUDA, ``max-autotune-no-cudagraphs`` elsewhere.
-    On CPU, ``torch._inductor.config.freezing = True`` before compiling helps a lot.
-    Compiling takes minutes on a small CPU; the first calls are slow, and each new cache
-    size (``max_len``) or batch compiles again: for a benchmark, keep one size.
-    """
-    if mode is None:
-        mode = "reduce-overhead" if model.device.type == "cuda" else "max-autotune-no-cudagraphs"
-    return torch.compile(model, mode=mode, fullgraph=True, dynamic=False)
-
-
-def decode_tokens_per_second(model: Llama, input_ids: Tensor, n_tokens: int = 32,
-                             step: StepFn | None = None, static: bool = False) -> float:
-    """Eager (or ``step``) decode speed, batch = rows of ``input_ids``: tokens after the first ÷ time."""
-    ids, _ = _as_batch(input_ids, None)
-    cache = model.new_cache(ids.shape[0], ids.shape[1] + n_tokens + 1, static=static)
-    token = prefill(model, cache, ids).argmax(dim=-1)
-    decode_one_token(model, cache, token, step)  # warm-up
-    synchronize(model.device)
-    start = time.perf_counter()
-    decode_n_tokens(model, cache, token, n_tokens, step=step)
-    synchronize(model.device)
-    return n_tokens * ids.shape[0] / (time.perf_counter() - start)
-
-
-
-
-__all__ = [
-    "SUPPORTED_ARCHITECTURES", "LlamaArgs", "Llama", "KVCache", "RMSNorm", "Rotary", "Attention",
-    "MLP", "Block", "attention", "apply_rope", "rotate_half", "rope_inv_freq", "args_from_hf",
-    "iter_linears", "replace_linear", "prefill", "extend", "decode_one_token", "decode_n_tokens",
-    "sample", "generate", "forward_no_cache", "generate_no_cache", "compile_decode",
-    "decode_tokens_per_second",
-]

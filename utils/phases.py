@@ -1,4 +1,4 @@
-"""Prefill and decode, measured through transformers with a KV cache.
+"""The phases of generation through transformers, with a KV cache.
 
 A request runs in two phases:
 
@@ -8,167 +8,134 @@ A request runs in two phases:
 - **decode**: one forward pass per new token, each reading every weight once.
   Memory-bandwidth-bound: ``decode tok/s ~ bandwidth / bytes read per token``.
 
-Conventions (the design's measurement protocol): prefill tok/s = prompt tokens /
-prefill time; decode tok/s = generated tokens after the first / their time.
-Greedy sampling throughout, so every run is reproducible.
+The same vocabulary as :mod:`utils.llama_phases` (the hand-written backend), so a
+chapter swaps one for the other in one line; :mod:`utils.engine` picks the backend
+from the model's type:
+
+- :func:`new_cache` ``(model, batch, max_len)``: an empty cache (transformers'
+  ``DynamicCache``, which grows; ``max_len`` is only checked against the context);
+- :func:`prefill` ``(model, cache, ids, mask=None) -> logits [B, V]``;
+- :func:`decode_one_token` ``(model, cache, token) -> logits [B, V]``;
+- :func:`extend` ``(model, cache, tokens) -> logits [B, T, V]``;
+- :func:`rollback` ``(cache, length)``.
+
+Batches are left-padded; the cache keeps the attention mask so that every decode
+step masks the padding and counts each row's positions from its first real token.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
-from .errors import check_prompt_length, check_token_count
-from .models import REPO_ROOT, LoadedModel
-from .timing import Timing, measure, synchronize, timer
-
-FILLER_TEXT = REPO_ROOT / "data" / "prose_en.txt"
-
-
-@dataclass(frozen=True)
-class PhaseResult:
-    """One phase measured: how many tokens it handled and how long that took."""
-
-    phase: str
-    tokens: int
-    timing: Timing
-
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / self.timing.median
-
-    @property
-    def ms_per_token(self) -> float:
-        return 1e3 * self.timing.median / self.tokens
-
-    def __str__(self) -> str:
-        return f"{self.phase}: {self.tokens} tokens in {self.timing} -> {self.tok_s:,.1f} tok/s"
+from .errors import EmptyPromptError, PromptTooLongError, WorkbookError, check_prompt_length, check_token_ids
 
 
 @dataclass
-class RequestMetrics:
-    """What one request cost, phase by phase (seconds)."""
+class HFCache:
+    """transformers' KV cache plus what a batch needs beside it: the attention mask so far.
 
-    prompt_tokens: int
-    output_tokens: int
-    prefill_s: float
-    ttft_s: float
-    decode_s: float
-    total_s: float
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    ``mask`` is None while no row is padded (then none is passed to the model, as in
+    ``generate`` with one prompt); else [B, length] with False at padding.
+    """
 
-    @property
-    def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s
+    kv: Any
+    batch: int
+    max_len: int
+    mask: Tensor | None = None
 
     @property
-    def decode_tok_s(self) -> float:
-        """Tokens after the first over their time (nan when only one token was made)."""
-        n = self.output_tokens - 1
-        return n / self.decode_s if n > 0 and self.decode_s > 0 else float("nan")
+    def length(self) -> int:
+        return self.kv.get_seq_length()
 
 
-def filler_ids(tokenizer: Any, n_tokens: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Exactly ``n_tokens`` of English prose as ids, shape [1, n_tokens] (text repeated as needed)."""
-    check_token_count(n_tokens, "n_tokens")
-    ids = tokenizer(FILLER_TEXT.read_text(), add_special_tokens=False).input_ids
-    reps = -(-n_tokens // len(ids))
-    return torch.tensor([(ids * reps)[:n_tokens]], device=device)
+def max_context(model: Any) -> int:
+    """Positions the model was trained for (``max_position_embeddings``)."""
+    return model.config.max_position_embeddings
 
 
-def encode_prompt(lm: LoadedModel, prompt: str, chat: bool = False) -> torch.Tensor:
-    """Token ids of ``prompt`` on the model's device, shape [1, T]; chat applies the template."""
-    if not prompt or not prompt.strip():
-        check_prompt_length(0, lm.spec.max_context)  # raises EmptyPromptError
-    if chat:
-        text = lm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-    else:
-        text = prompt
-    ids = lm.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-    return ids.to(lm.device)
+def new_cache(model: Any, batch: int, max_len: int) -> HFCache:
+    """An empty transformers KV cache for ``batch`` rows of up to ``max_len`` tokens."""
+    from transformers import DynamicCache  # the backend's own type; transformers is a heavy import
+
+    check_prompt_length(1, max_context(model), max_len - 1)
+    return HFCache(DynamicCache(config=model.config), batch, max_len)
 
 
-def new_cache(model: Any) -> Any:
-    """An empty transformers KV cache for ``model`` (grows as tokens are added)."""
-    from transformers import DynamicCache
-
-    return DynamicCache(config=model.config)
+def cache_length(cache: HFCache) -> int:
+    """Tokens the cache holds (the same for every row)."""
+    return cache.length
 
 
-@torch.inference_mode()
-def prefill(model: Any, input_ids: torch.Tensor, cache: Any | None = None) -> tuple[torch.Tensor, Any]:
-    """One forward pass over the whole prompt [B, T]; returns (last logits [B, V], filled cache)."""
-    cache = new_cache(model) if cache is None else cache
-    out = model(input_ids=input_ids, cache=cache, use_cache=True)
-    return out.logits[:, -1, :], out.cache
+def rollback(cache: HFCache, length: int) -> None:
+    """Forget everything after the first ``length`` tokens (a rejected speculative draft)."""
+    if not 0 <= length <= cache.length:
+        raise WorkbookError(f"Cannot roll back to {length}: the cache holds {cache.length} tokens.")
+    _drop(cache, cache.length - length)
+    if cache.mask is not None:
+        cache.mask = cache.mask[:, :length]
 
 
-@torch.inference_mode()
-def decode_one_token(model: Any, cache: Any, token: torch.Tensor) -> torch.Tensor:
-    """One forward pass for one new token per sequence [B, 1]; returns logits [B, V]."""
-    out = model(input_ids=token, cache=cache, use_cache=True)
-    return out.logits[:, -1, :]
+def _drop(cache: HFCache, n: int) -> None:
+    """Remove the last ``n`` tokens (transformers 5: ``crop`` takes minus the count to remove)."""
+    if n > 0:
+        cache.kv.crop(-n)
 
 
-@torch.inference_mode()
-def decode_n_tokens(model: Any, cache: Any, first: torch.Tensor, n: int) -> torch.Tensor:
-    """Greedy-decode ``n`` tokens after ``first`` [B, 1]; returns the new tokens [B, n]."""
-    token, out = first, []
-    for _ in range(n):
-        token = decode_one_token(model, cache, token).argmax(dim=-1, keepdim=True)
-        out.append(token)
-    return torch.cat(out, dim=1)
+def _positions(mask: Tensor, new: int) -> Tensor:
+    """RoPE positions of the last ``new`` slots: counted from each row's first real token."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -new:]
 
 
-def measure_prefill(lm: LoadedModel, n_tokens: int, *, repeats: int = 5, warmup: int = 1) -> PhaseResult:
-    """Time one prefill pass of ``n_tokens`` prompt tokens (a fresh cache each time)."""
-    check_prompt_length(n_tokens, lm.spec.max_context)
-    ids = filler_ids(lm.tokenizer, n_tokens, lm.device)
-    timing = measure(lambda: prefill(lm.model, ids), warmup=warmup, repeats=repeats,
-                     device=lm.device, desc=f"prefill {n_tokens}")
-    return PhaseResult("prefill", n_tokens, timing)
-
-
-def measure_decode(lm: LoadedModel, n_tokens: int = 32, *, prompt_tokens: int = 32,
-                   repeats: int = 3, warmup: int = 1) -> PhaseResult:
-    """Time ``n_tokens`` greedy decode steps after an (untimed) prefill of ``prompt_tokens``."""
-    check_token_count(n_tokens)
-    check_prompt_length(prompt_tokens, lm.spec.max_context, n_tokens)
-    ids = filler_ids(lm.tokenizer, prompt_tokens, lm.device)
-
-    def setup() -> tuple[Any, torch.Tensor]:
-        logits, cache = prefill(lm.model, ids)
-        return cache, logits.argmax(dim=-1, keepdim=True)
-
-    timing = measure(lambda arg: decode_n_tokens(lm.model, arg[0], arg[1], n_tokens), setup=setup,
-                     warmup=warmup, repeats=repeats, device=lm.device, desc=f"decode {n_tokens}")
-    return PhaseResult("decode", n_tokens, timing)
+def _forward(model: Any, cache: HFCache, tokens: Tensor, last_only: bool) -> Tensor:
+    """The model over ``tokens`` [B, T], whose slots ``cache.mask`` (if any) already covers."""
+    kwargs: dict[str, Any] = {}
+    if cache.mask is not None:
+        kwargs = dict(attention_mask=cache.mask.long(), position_ids=_positions(cache.mask, tokens.shape[1]))
+    out = model(input_ids=tokens, cache=cache.kv, use_cache=True, logits_to_keep=1 if last_only else 0, **kwargs)
+    return out.logits
 
 
 @torch.inference_mode()
-def run_request(lm: LoadedModel, prompt: str | torch.Tensor, max_new_tokens: int, *,
-                chat: bool = False, stop_at_eos: bool = True) -> RequestMetrics:
-    """Serve one greedy request and time each phase, as an engine's meter would."""
-    check_token_count(max_new_tokens)
-    ids = prompt if isinstance(prompt, torch.Tensor) else encode_prompt(lm, prompt, chat)
-    check_prompt_length(ids.shape[-1], lm.spec.max_context, max_new_tokens)
-    eos = lm.tokenizer.eos_token_id
-    with timer(lm.device) as t_prefill:
-        logits, cache = prefill(lm.model, ids)
-    with timer(lm.device) as t_first:
-        token = logits.argmax(dim=-1, keepdim=True)
-        out = [int(token)]
-    with timer(lm.device) as t_decode:
-        while len(out) < max_new_tokens and not (stop_at_eos and out[-1] == eos):
-            token = decode_one_token(lm.model, cache, token).argmax(dim=-1, keepdim=True)
-            out.append(int(token))  # int() waits for the device: the token is really there
-    ttft = t_prefill["seconds"] + t_first["seconds"]
-    return RequestMetrics(
-        prompt_tokens=ids.shape[-1], output_tokens=len(out), prefill_s=t_prefill["seconds"],
-        ttft_s=ttft, decode_s=t_decode["seconds"], total_s=ttft + t_decode["seconds"],
-        token_ids=out, text=lm.tokenizer.decode(out, skip_special_tokens=True))
+def extend(model: Any, cache: HFCache, tokens: Tensor, last_only: bool = False) -> Tensor:
+    """Append ``tokens`` [B, T] after what ``cache`` holds; logits [B, T, V] (or [B, 1, V])."""
+    T = tokens.shape[1]
+    if cache.length + T > cache.max_len:
+        raise PromptTooLongError(
+            f"The cache holds {cache.max_len} tokens: {cache.length} are filled and {T} more were given "
+            f"({cache.length + T} in all). Make a larger cache (new_cache(model, batch, max_len)).")
+    check_token_ids(tokens, model.config.vocab_size)
+    if cache.mask is not None:
+        cache.mask = torch.cat([cache.mask, cache.mask.new_ones(cache.mask.shape[0], T)], dim=1)
+    return _forward(model, cache, tokens, last_only)
+
+
+@torch.inference_mode()
+def prefill(model: Any, cache: HFCache, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    """One forward pass over the whole prompt [B, T] (left-padded if B > 1): logits of the next token [B, V].
+
+    Resets ``cache`` first.
+    """
+    ids = input_ids if input_ids.dim() == 2 else input_ids.view(1, -1)
+    B, T = ids.shape
+    if T == 0:
+        raise EmptyPromptError("The prompt is empty: give at least one token of text to prefill.")
+    if B != cache.batch:
+        raise WorkbookError(f"The cache was made for batch {cache.batch}, the prompt has {B} rows.")
+    check_prompt_length(T, cache.max_len)
+    check_token_ids(ids, model.config.vocab_size)
+    mask = None if attention_mask is None else attention_mask.view(ids.shape).bool().to(ids.device)
+    if mask is not None and not bool(mask.any(dim=1).all()):
+        raise EmptyPromptError("A prompt in the batch is all padding: give each row at least one token.")
+    _drop(cache, cache.length)  # a prefill starts a new request
+    cache.mask = None if mask is None or bool(mask.all()) else mask
+    return _forward(model, cache, ids, last_only=True)[:, -1]
+
+
+@torch.inference_mode()
+def decode_one_token(model: Any, cache: HFCache, token: Tensor) -> Tensor:
+    """One forward pass for one new token per row ([B] or [B, 1]); logits [B, V]."""
+    return extend(model, cache, token.view(-1, 1))[:, -1]

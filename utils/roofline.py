@@ -39,44 +39,11 @@ import numbers
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .errors import InvalidTokenCountError, OutOfMemoryError, WorkbookError
+from .errors import (InvalidTokenCountError, OutOfMemoryError, WorkbookError, check_count,
+                     check_fraction, check_number)
 
 GB = 1e9
 """Bytes in a (decimal) gigabyte, as vendors and these formulas count them."""
-
-
-# --------------------------------------------------------------------------- checks
-
-
-def _number(value: Any, name: str, unit: str, *, allow_zero: bool = False) -> float:
-    """Return ``value`` as a float if it is a finite positive (or zero) real number."""
-    ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
-          and math.isfinite(value) and (value > 0 or (allow_zero and value == 0)))
-    if not ok:
-        need = "zero or a positive number" if allow_zero else "a positive number"
-        raise WorkbookError(f"{name} must be {need} (in {unit}), got {value!r}.")
-    return float(value)
-
-
-def _count(value: Any, name: str, *, allow_zero: bool = False,
-           error: type[WorkbookError] = InvalidTokenCountError) -> int:
-    """Return ``value`` as an int if it is a whole number >= 1 (or >= 0)."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)  # 20e3 tokens is fine; 1.5 tokens is not
-    ok = (isinstance(value, numbers.Integral) and not isinstance(value, bool)
-          and (value > 0 or (allow_zero and value == 0)))
-    if not ok:
-        need = "zero or a positive whole number" if allow_zero else "a positive whole number"
-        raise error(f"{name} must be {need}, got {value!r}.")
-    return int(value)
-
-
-def _fraction(value: Any, name: str) -> float:
-    """Return ``value`` if it lies in [0, 1)."""
-    if (not isinstance(value, numbers.Real) or isinstance(value, bool)
-            or not 0 <= value < 1):
-        raise WorkbookError(f"{name} must be a fraction in [0, 1), got {value!r}.")
-    return float(value)
 
 
 # ----------------------------------------------------------------------- KV cache
@@ -92,10 +59,10 @@ def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int,
 
     Llama-3-8B in bf16: ``2 x 32 x 8 x 128 x 2 = 131,072`` B = 128 KiB per token.
     """
-    layers = _count(n_layers, "n_layers", error=WorkbookError)
-    heads = _count(n_kv_heads, "n_kv_heads", error=WorkbookError)
-    dim = _count(head_dim, "head_dim", error=WorkbookError)
-    size = _number(bytes_per_elem, "bytes_per_elem", "bytes per element")
+    layers = check_count(n_layers, "n_layers")
+    heads = check_count(n_kv_heads, "n_kv_heads")
+    dim = check_count(head_dim, "head_dim")
+    size = check_number(bytes_per_elem, "bytes_per_elem", "bytes per element")
     per_token = 2 * layers * heads * dim * size
     return int(per_token) if per_token.is_integer() else per_token
 
@@ -108,8 +75,8 @@ def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, bytes_per_elem
     ~2.6 GB at 20,000 tokens and ~17.2 GB at 131,072 (128 Ki) tokens, per sequence.
     """
     per_token = kv_bytes_per_token(n_layers, n_kv_heads, head_dim, bytes_per_elem)
-    tokens = _count(context_tokens, "context_tokens", allow_zero=True)
-    return per_token * tokens * _count(batch, "batch", error=WorkbookError)
+    tokens = check_count(context_tokens, "context_tokens", allow_zero=True, error=InvalidTokenCountError)
+    return per_token * tokens * check_count(batch, "batch")
 
 
 # ------------------------------------------------------------------------- decode
@@ -120,8 +87,25 @@ def weight_bytes(n_params: float, bytes_per_param: float) -> float:
 
     Bytes per parameter: fp32 4, bf16/fp16 2, int8 1, int4 0.5 (plus scales).
     """
-    return (_number(n_params, "n_params", "parameters")
-            * _number(bytes_per_param, "bytes_per_param", "bytes per parameter"))
+    return (check_number(n_params, "n_params", "parameters")
+            * check_number(bytes_per_param, "bytes_per_param", "bytes per parameter"))
+
+
+def weight_bytes_read_per_token(n_params: float, bytes_per_param: float, vocab_size: int,
+                                hidden_size: int, tied_embeddings: bool) -> float:
+    """Weight bytes one decode step really reads (B): all weights but an untied input embedding.
+
+    The input embedding is a lookup: a step reads one of its rows, not the whole table.
+    With tied embeddings the same table is the LM head, which *is* read whole; untied,
+    ``vocab x hidden`` parameters are skipped. Llama-3-8B in bf16 (untied, 128,256 x 4,096):
+    ~16.06 GB stored, ~15.0 GB read per token.
+    """
+    params = check_number(n_params, "n_params", "parameters")
+    size = check_number(bytes_per_param, "bytes_per_param", "bytes per parameter")
+    skipped = 0 if tied_embeddings else check_count(vocab_size, "vocab_size") * check_count(hidden_size, "hidden_size")
+    if skipped >= params:
+        raise WorkbookError(f"n_params ({params:,.0f}) must exceed the embedding ({skipped:,}).")
+    return (params - skipped) * size
 
 
 def decode_bytes_per_token(weight_bytes: float, kv_bytes_per_token: float,
@@ -132,10 +116,10 @@ def decode_bytes_per_token(weight_bytes: float, kv_bytes_per_token: float,
     the keys and values of every token already in the context. At short context the
     weights dominate; at long context the KV cache can rival them.
     """
-    weights = _number(weight_bytes, "weight_bytes", "bytes")
-    per_token = _number(kv_bytes_per_token, "kv_bytes_per_token", "bytes per token",
+    weights = check_number(weight_bytes, "weight_bytes", "bytes")
+    per_token = check_number(kv_bytes_per_token, "kv_bytes_per_token", "bytes per token",
                         allow_zero=True)
-    return weights + per_token * _count(context_tokens, "context_tokens", allow_zero=True)
+    return weights + per_token * check_count(context_tokens, "context_tokens", allow_zero=True, error=InvalidTokenCountError)
 
 
 def decode_ceiling_tok_s(bandwidth_bytes_s: float, bytes_per_token: float) -> float:
@@ -145,11 +129,30 @@ def decode_ceiling_tok_s(bandwidth_bytes_s: float, bytes_per_token: float) -> fl
     speed close to this is bandwidth-bound; far below it, something else (kernel
     launch overhead, Python, poor kernels) is the limit.
     """
-    bandwidth = _number(bandwidth_bytes_s, "bandwidth_bytes_s", "bytes per second")
-    return bandwidth / _number(bytes_per_token, "bytes_per_token", "bytes per token")
+    bandwidth = check_number(bandwidth_bytes_s, "bandwidth_bytes_s", "bytes per second")
+    return bandwidth / check_number(bytes_per_token, "bytes_per_token", "bytes per token")
 
 
 # ------------------------------------------------------------------------ prefill
+
+
+def attention_flops(n_layers: int, attn_dim: int, new_tokens: int, cached_tokens: int = 0) -> float:
+    """FLOP of attention itself (scores and weighted sum) for ``new_tokens`` after ``cached_tokens``.
+
+    The one formula every chapter uses. Per layer, a query at position ``p`` takes a
+    dot product with ``p + 1`` keys (``q·kᵀ``: 2 x attn_dim x (p+1) FLOP) and sums as
+    many values (another 2 x attn_dim x (p+1)). A **causal** mask means a query never
+    looks ahead, so only the lower triangle of the score matrix is computed:
+    ``4 x n_layers x attn_dim x Σ_p (p + 1)`` over the new positions
+    ``p = cached .. cached + new - 1``. Prefill of T tokens (``cached = 0``): ``2·L·d·T(T+1)``,
+    about half the full ``T x T`` square; one decode step at context c: ``4·L·d·(c+1)``.
+    ``attn_dim`` is ``n_heads x head_dim`` (the hidden size in Llama models).
+    """
+    layers, dim = check_count(n_layers, "n_layers"), check_count(attn_dim, "attn_dim")
+    new = check_count(new_tokens, "new_tokens", error=InvalidTokenCountError)
+    old = check_count(cached_tokens, "cached_tokens", allow_zero=True, error=InvalidTokenCountError)
+    keys_seen = new * old + new * (new + 1) / 2  # Σ (p + 1) over the new positions
+    return 4.0 * layers * dim * keys_seen
 
 
 def prefill_flops(n_params: float, n_tokens: int, n_layers: int | None = None,
@@ -160,22 +163,17 @@ def prefill_flops(n_params: float, n_tokens: int, n_layers: int | None = None,
     add per token (the embedding lookup is counted too, a small overestimate).
 
     Attention, added when ``n_layers`` and ``hidden_size`` are given:
-    ``2 x n_layers x hidden_size x n_tokens**2``. Per layer, ``Q K^T`` and
-    ``softmax(.) V`` each cost ``2 x hidden x T x T`` FLOP over the full T x T score
-    matrix; a causal mask needs only half of it, so together ``4 x hidden x T**2 / 2``.
-    (``hidden_size`` stands for ``n_heads x head_dim``, equal in Llama models.)
+    :func:`attention_flops` with the causal mask, ``2 x n_layers x hidden x T(T+1)``.
     It matters once ``n_tokens`` approaches ``n_params / (n_layers x hidden)``.
     """
-    params = _number(n_params, "n_params", "parameters")
-    tokens = _count(n_tokens, "n_tokens")
+    params = check_number(n_params, "n_params", "parameters")
+    tokens = check_count(n_tokens, "n_tokens", error=InvalidTokenCountError)
     flops = 2.0 * params * tokens
     if (n_layers is None) != (hidden_size is None):
         raise WorkbookError("Give both n_layers and hidden_size for the attention term, "
                             "or neither for the weights-only estimate 2 x params x tokens.")
     if n_layers is not None:
-        layers = _count(n_layers, "n_layers", error=WorkbookError)
-        hidden = _count(hidden_size, "hidden_size", error=WorkbookError)
-        flops += 2.0 * layers * hidden * tokens ** 2
+        flops += attention_flops(n_layers, hidden_size, tokens)  # type: ignore[arg-type]
     return flops
 
 
@@ -184,8 +182,8 @@ def prefill_ceiling_tok_s(flops_per_s: float, n_params: float) -> float:
 
     The weights-only FLOP count; long prompts add attention work and run slower.
     """
-    rate = _number(flops_per_s, "flops_per_s", "FLOP per second")
-    return rate / (2.0 * _number(n_params, "n_params", "parameters"))
+    rate = check_number(flops_per_s, "flops_per_s", "FLOP per second")
+    return rate / (2.0 * check_number(n_params, "n_params", "parameters"))
 
 
 # ----------------------------------------------------------------------- roofline
@@ -193,8 +191,8 @@ def prefill_ceiling_tok_s(flops_per_s: float, n_params: float) -> float:
 
 def arithmetic_intensity(flops: float, bytes_moved: float) -> float:
     """Work per byte of memory traffic: ``flops / bytes`` (FLOP/B)."""
-    work = _number(flops, "flops", "FLOP", allow_zero=True)
-    return work / _number(bytes_moved, "bytes_moved", "bytes")
+    work = check_number(flops, "flops", "FLOP", allow_zero=True)
+    return work / check_number(bytes_moved, "bytes_moved", "bytes")
 
 
 def ridge_point(peak_flops: float, bandwidth_bytes_s: float) -> float:
@@ -203,15 +201,15 @@ def ridge_point(peak_flops: float, bandwidth_bytes_s: float) -> float:
     Below it a kernel is memory-bound, above it compute-bound. H100 SXM in bf16:
     989e12 / 3.35e12 ~ 295 FLOP/B.
     """
-    peak = _number(peak_flops, "peak_flops", "FLOP per second")
-    return peak / _number(bandwidth_bytes_s, "bandwidth_bytes_s", "bytes per second")
+    peak = check_number(peak_flops, "peak_flops", "FLOP per second")
+    return peak / check_number(bandwidth_bytes_s, "bandwidth_bytes_s", "bytes per second")
 
 
 def attainable_flops(intensity: float, peak_flops: float, bandwidth_bytes_s: float) -> float:
     """The roofline: ``min(peak, intensity x bandwidth)`` (FLOP/s)."""
-    rate = _number(intensity, "intensity", "FLOP per byte") * _number(
+    rate = check_number(intensity, "intensity", "FLOP per byte") * check_number(
         bandwidth_bytes_s, "bandwidth_bytes_s", "bytes per second")
-    return min(_number(peak_flops, "peak_flops", "FLOP per second"), rate)
+    return min(check_number(peak_flops, "peak_flops", "FLOP per second"), rate)
 
 
 def decode_intensity(bytes_per_param: float, batch: int = 1) -> float:
@@ -222,8 +220,8 @@ def decode_intensity(bytes_per_param: float, batch: int = 1) -> float:
     GPU's ridge point, hence bandwidth-bound. (KV-cache reads are left out; they add
     bytes and keep decode attention near 1 FLOP/B at any batch.)
     """
-    size = _number(bytes_per_param, "bytes_per_param", "bytes per parameter")
-    return 2.0 * _count(batch, "batch", error=WorkbookError) / size
+    size = check_number(bytes_per_param, "bytes_per_param", "bytes per parameter")
+    return 2.0 * check_count(batch, "batch") / size
 
 
 def prefill_intensity(bytes_per_param: float, n_tokens: int) -> float:
@@ -232,8 +230,8 @@ def prefill_intensity(bytes_per_param: float, n_tokens: int) -> float:
     The same formula as decode with the prompt tokens in place of the batch: a
     512-token bf16 prompt does 512 FLOP per weight byte, above most ridge points.
     """
-    size = _number(bytes_per_param, "bytes_per_param", "bytes per parameter")
-    return 2.0 * _count(n_tokens, "n_tokens") / size
+    size = check_number(bytes_per_param, "bytes_per_param", "bytes per parameter")
+    return 2.0 * check_count(n_tokens, "n_tokens", error=InvalidTokenCountError) / size
 
 
 def crossover_batch(peak_flops: float, bandwidth_bytes_s: float,
@@ -244,7 +242,7 @@ def crossover_batch(peak_flops: float, bandwidth_bytes_s: float,
     step time grows with the batch. H100 SXM in bf16: ~295 sequences.
     """
     ridge = ridge_point(peak_flops, bandwidth_bytes_s)
-    return ridge * _number(bytes_per_param, "bytes_per_param", "bytes per parameter") / 2.0
+    return ridge * check_number(bytes_per_param, "bytes_per_param", "bytes per parameter") / 2.0
 
 
 # -------------------------------------------------------------- the whole request
@@ -277,13 +275,35 @@ def request_time(prompt_tokens: int, prefill_tok_s: float, output_tokens: int,
     1,500 tok/s plus 500 out at 40 tok/s: 8.0 s + 12.5 s = 20.5 s, 39% in TTFT.
     Output tokens cost far more time each than input tokens.
     """
-    prompt = _count(prompt_tokens, "prompt_tokens")
-    output = _count(output_tokens, "output_tokens", allow_zero=True)
-    ttft = prompt / _number(prefill_tok_s, "prefill_tok_s", "tokens per second")
-    decode = output / _number(decode_tok_s, "decode_tok_s", "tokens per second")
+    prompt = check_count(prompt_tokens, "prompt_tokens", error=InvalidTokenCountError)
+    output = check_count(output_tokens, "output_tokens", allow_zero=True, error=InvalidTokenCountError)
+    ttft = prompt / check_number(prefill_tok_s, "prefill_tok_s", "tokens per second")
+    decode = output / check_number(decode_tok_s, "decode_tok_s", "tokens per second")
     total = ttft + decode
     return RequestTime(ttft_s=ttft, decode_s=decode, total_s=total,
                        ttft_share=ttft / total, decode_share=decode / total)
+
+
+def request_cost(input_tokens: int, output_tokens: int, usd_per_m_input: float,
+                 usd_per_m_output: float, cached_input_tokens: int = 0,
+                 usd_per_m_cached_input: float | None = None) -> float:
+    """Price of one request in USD: tokens x (price per million tokens) / 1e6.
+
+    Input and output are priced separately (output is dearer: each output token is a
+    sequential decode step, the input one parallel prefill). ``cached_input_tokens`` of
+    the input, if any, are billed at ``usd_per_m_cached_input`` (prompt caching).
+    """
+    n_in = check_count(input_tokens, "input_tokens", allow_zero=True, error=InvalidTokenCountError)
+    n_out = check_count(output_tokens, "output_tokens", allow_zero=True, error=InvalidTokenCountError)
+    n_cached = check_count(cached_input_tokens, "cached_input_tokens", allow_zero=True,
+                           error=InvalidTokenCountError)
+    if n_cached > n_in:
+        raise WorkbookError(f"cached_input_tokens ({n_cached}) cannot exceed input_tokens ({n_in}).")
+    p_in = check_number(usd_per_m_input, "usd_per_m_input", "USD per million tokens", allow_zero=True)
+    p_out = check_number(usd_per_m_output, "usd_per_m_output", "USD per million tokens", allow_zero=True)
+    p_cached = p_in if usd_per_m_cached_input is None else check_number(
+        usd_per_m_cached_input, "usd_per_m_cached_input", "USD per million tokens", allow_zero=True)
+    return ((n_in - n_cached) * p_in + n_cached * p_cached + n_out * p_out) / 1e6
 
 
 # ------------------------------------------------------------------------ capacity
@@ -300,11 +320,11 @@ def max_context_tokens(memory_bytes: float, weight_bytes: float, kv_bytes_per_to
 
     Raises :class:`~utils.errors.OutOfMemoryError` if the weights alone do not fit.
     """
-    memory = _number(memory_bytes, "memory_bytes", "bytes")
-    weights = _number(weight_bytes, "weight_bytes", "bytes")
-    per_token = _number(kv_bytes_per_token, "kv_bytes_per_token", "bytes per token")
-    seqs = _count(batch, "batch", error=WorkbookError)
-    usable = memory * (1.0 - _fraction(reserve_fraction, "reserve_fraction"))
+    memory = check_number(memory_bytes, "memory_bytes", "bytes")
+    weights = check_number(weight_bytes, "weight_bytes", "bytes")
+    per_token = check_number(kv_bytes_per_token, "kv_bytes_per_token", "bytes per token")
+    seqs = check_count(batch, "batch")
+    usable = memory * (1.0 - check_fraction(reserve_fraction, "reserve_fraction"))
     if weights >= usable:
         raise OutOfMemoryError(
             f"The weights ({weights / GB:.2f} GB) leave no room for a KV cache in "

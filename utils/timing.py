@@ -1,4 +1,4 @@
-"""Timing that can be trusted: warm-up, repeats, median and spread.
+"""Timing that can be trusted: warm-up, repeats, median and spread, noise flagged.
 
 Protocol (the design's measurement protocol):
 
@@ -6,7 +6,15 @@ Protocol (the design's measurement protocol):
 - time each repeat separately and report the **median** (robust to one slow run)
   and the **spread** (interquartile range);
 - on CUDA, kernels run asynchronously: ``torch.cuda.synchronize()`` before each
-  timer read, or the timer measures only the launch.
+  timer read, or the timer measures only the launch;
+- a measurement whose spread is large against its median (``IQR / median >``
+  :data:`NOISE_THRESHOLD`) is **noisy**: :func:`measure` re-measures it once, and
+  a result that is still noisy says so when printed, so it is not published as is;
+- to compare variants on a shared machine, time them **interleaved**
+  (A, B, A, B, ...: :func:`interleaved`), so a slow spell weighs on all alike.
+
+:func:`op_kind` and :func:`profile_self_time` group a ``torch.profiler`` trace into
+matmul / attention / everything else: where the time of a step goes.
 """
 
 from __future__ import annotations
@@ -16,9 +24,12 @@ import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
+
+NOISE_THRESHOLD = 0.25
+"""IQR / median above which a measurement is called noisy (re-measured, then flagged)."""
 
 
 def quick() -> bool:
@@ -54,11 +65,22 @@ class Timing:
         return q[2] - q[0]
 
     @property
+    def relative_spread(self) -> float:
+        """``spread / median``: 0.05 is a steady measurement, 0.5 a noisy one."""
+        return self.spread / self.median if self.median > 0 else 0.0
+
+    @property
+    def noisy(self) -> bool:
+        """True when ``relative_spread > NOISE_THRESHOLD``: do not draw conclusions from it."""
+        return self.relative_spread > NOISE_THRESHOLD
+
+    @property
     def min(self) -> float:
         return min(self.samples)
 
     def __str__(self) -> str:
-        return f"{self.median * 1e3:.2f} ms (IQR {self.spread * 1e3:.2f} ms, n={len(self.samples)})"
+        flag = f"  NOISY: spread {self.relative_spread:.0%} of the median" if self.noisy else ""
+        return f"{self.median * 1e3:.2f} ms (IQR {self.spread * 1e3:.2f} ms, n={len(self.samples)}){flag}"
 
 
 @contextmanager
@@ -74,14 +96,24 @@ def timer(device: torch.device | str | None = None) -> Iterator[dict[str, float]
         result["seconds"] = time.perf_counter() - start
 
 
+def _progress(runs: range, show: bool, desc: str) -> Any:
+    if not show:
+        return runs
+    from tqdm.auto import tqdm  # imported here: only a long measurement needs it
+
+    return tqdm(runs, desc=desc, leave=False)
+
+
 def measure(fn: Callable[..., Any], *, setup: Callable[[], Any] | None = None,
             warmup: int = 1, repeats: int = 5, device: torch.device | str | None = None,
-            progress: bool | None = None, desc: str = "measuring") -> Timing:
+            progress: bool | None = None, desc: str = "measuring",
+            remeasure_noisy: bool = True) -> Timing:
     """Time ``fn`` ``repeats`` times after ``warmup`` untimed calls.
 
     ``setup``, if given, runs untimed before each call and its result is passed to ``fn``
     (e.g. a fresh prefill before timing decode steps). ``progress=None`` shows a progress
-    bar only when the run looks longer than a few seconds.
+    bar only when the run looks longer than a few seconds. A noisy result (see
+    :data:`NOISE_THRESHOLD`) is measured once more and the steadier of the two kept.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
@@ -93,10 +125,67 @@ def measure(fn: Callable[..., Any], *, setup: Callable[[], Any] | None = None,
         return t["seconds"]
 
     first = [once() for _ in range(warmup)]
-    if progress is None:
-        progress = bool(first) and first[-1] * repeats > 3.0
-    runs: Any = range(repeats)
-    if progress:
-        from tqdm.auto import tqdm
-        runs = tqdm(runs, desc=desc, leave=False)
-    return Timing(tuple(once() for _ in runs))
+    show = progress if progress is not None else bool(first) and first[-1] * repeats > 3.0
+    result = Timing(tuple(once() for _ in _progress(range(repeats), show, desc)))
+    if remeasure_noisy and result.noisy and repeats >= 3:
+        again = Timing(tuple(once() for _ in _progress(range(repeats), show, desc + " (again)")))
+        result = min(result, again, key=lambda t: t.relative_spread)
+    return result
+
+
+def interleaved(fns: Mapping[str, Callable[[], Any]], *, repeats: int = 5, warmup: int = 1,
+                device: torch.device | str | None = None, progress: bool | None = None,
+                desc: str = "interleaved") -> dict[str, Timing]:
+    """Time several functions round-robin (A, B, C, A, B, C, ...): ``{name: Timing}``.
+
+    On a shared or throttling machine a slow spell then hits every variant alike, so
+    their *ratio* stays meaningful even when each absolute time wobbles.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    show = progress if progress is not None else repeats * len(fns) > 20
+    for i in _progress(range(warmup + repeats), show, desc):
+        for name, fn in fns.items():
+            with timer(device) as t:
+                fn()
+            if i >= warmup:
+                samples[name].append(t["seconds"])
+    return {name: Timing(tuple(s)) for name, s in samples.items()}
+
+
+# ----------------------------------------------------------------------------- profiles
+
+
+def op_kind(name: str) -> str:
+    """Sort an operator (CPU) or kernel (CUDA) name into ``matmul``, ``attention`` or ``everything else``."""
+    n = name.lower()
+    if "attention" in n or "flash" in n or "fmha" in n or "softmax" in n:
+        return "attention"
+    if (n in ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
+            or "gemm" in n or "gemv" in n or "pack_mm" in n or "_linear_pointwise" in n):
+        return "matmul"
+    return "everything else"
+
+
+def profile_self_time(prof: Any, device: torch.device) -> dict[str, float]:
+    """Self time (µs) of a finished ``torch.profiler.profile`` grouped by :func:`op_kind`, largest first."""
+    cuda = device.type == "cuda"
+    totals: dict[str, float] = {}
+    for e in prof.key_averages():
+        t = e.self_device_time_total if cuda else e.self_cpu_time_total
+        totals[op_kind(e.key)] = totals.get(op_kind(e.key), 0.0) + t
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def main_ops(fn: Callable[..., Any], *args: Any, share: float = 0.05) -> list[str]:
+    """The aten operators that take more than ``share`` of one call's CPU self time.
+
+    Answers "which kernel did this really run?" (e.g. an int8 matmul or a float fallback).
+    """
+    fn(*args)  # warm-up: lazy initialisation is not the kernel
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn(*args)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    return [e.key for e in events if e.key.startswith("aten::") and e.self_cpu_time_total > share * total]

@@ -1,0 +1,44 @@
+"""The first cell of every chapter and lab: load the model, print the machine.
+
+    from utils.chapter import setup_chapter
+    lm, machine = setup_chapter()
+
+prints the device, dtype, threads, versions and model (and says when the model's
+weights are random, so its text means nothing), and returns the loaded model and
+the machine description every result should be recorded with.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .device import dtype_name
+from .hardware import describe_machine
+from .models import LoadedModel, load_model
+from .timing import quick
+
+
+def describe_setup(lm: LoadedModel, machine: dict[str, Any]) -> list[str]:
+    """The lines :func:`setup_chapter` prints."""
+    s = lm.spec
+    lines = [
+        f"device   {lm.device} ({machine['device_name']}), {dtype_name(lm.dtype)}, "
+        f"{machine['torch_threads']} torch threads",
+        f"versions torch {machine['torch_version']}, transformers {machine['transformers_version']}, "
+        f"python {machine['python_version']}",
+        f"model    {lm.name} ({s.architecture}): {s.n_params / 1e6:,.1f} M parameters, {s.n_layers} layers, "
+        f"context {s.max_context:,} tokens",
+        f"settings {'quick (CI)' if quick() else 'full'}",
+    ]
+    if lm.random_weights:
+        lines.append("NOTE     this model has random weights: its speeds are real, its text is meaningless.")
+    return lines
+
+
+def setup_chapter(name: str | None = None, device: str | None = None,
+                  dtype: str | None = None) -> tuple[LoadedModel, dict[str, Any]]:
+    """Load the configured model (``WORKBOOK_MODEL`` / ``_DEVICE`` / ``_DTYPE``) and print the setup."""
+    lm = load_model(name, device, dtype)
+    machine = describe_machine(lm.device)
+    print("\n".join(describe_setup(lm, machine)))
+    return lm, machine
