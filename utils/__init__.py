@@ -1,7 +1,7 @@
 """Helpers for the prefill/decode workbook.
 
-One module per concept, listed bottom to top: a module imports only modules above
-it in this list (``tests/test_layering.py`` checks it).
+One module per concept, from the bottom of the dependency order up: a module imports only
+modules listed before it (``tests/test_layering.py`` checks it).
 
 - ``errors``        the clear errors raised on bad input, and the one validator of counts and sizes
 - ``device``        device and dtype policy; device memory and whether something fits
@@ -17,6 +17,7 @@ it in this list (``tests/test_layering.py`` checks it).
 - ``llama_phases``  prefill / decode / extend through the hand-written model (the other backend)
 - ``engine``        one request engine over either backend: generate, stream, time each phase
 - ``meter``         a per-request log line in the style of an inference engine, and its diagnosis
+- ``verdicts``      conclusions computed from this run's numbers (which is faster, what bounds decode)
 - ``quant``         weight-only int8 / int4 quantization (reference and PyTorch kernels)
 - ``checks``        the labs' check functions: a verdict that says what is wrong
 - ``chapter``       the first cell of every chapter: load the model, print the setup
@@ -33,6 +34,6 @@ for _name in ("torchao", "torch.utils._pytree"):
 __version__ = "0.1.0"
 
 MODULE_ORDER = ("errors", "device", "timing", "roofline", "hardware", "plotting", "tokens", "sampling",
-                "models", "llama", "phases", "llama_phases", "engine", "meter", "quant", "checks",
+                "models", "llama", "phases", "llama_phases", "engine", "meter", "verdicts", "quant", "checks",
                 "chapter", "bench")
 """The package's modules, bottom to top: each imports only modules before it."""

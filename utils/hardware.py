@@ -83,6 +83,50 @@ def measure_bandwidth(device: str | torch.device | None = None, size_mb: float |
     return bytes_per_call / _median_seconds_per_call(fn, dev, repeats)
 
 
+@dataclass(frozen=True)
+class BandwidthProbe:
+    """Several bandwidth readings (B/s) of one device, and which one the ceilings use.
+
+    A probe can only under-read (another process, a cold page, a frequency dip), so the
+    ceiling uses the **best** reading; the spread between readings says how far a share
+    of that ceiling can be trusted.
+    """
+
+    readings: tuple[float, ...]
+
+    @property
+    def best(self) -> float:
+        return max(self.readings)
+
+    @property
+    def worst(self) -> float:
+        return min(self.readings)
+
+    @property
+    def relative_spread(self) -> float:
+        """(best - worst) / best: 0.05 is steady; above 0.2, shares of the ceiling are rough."""
+        return (self.best - self.worst) / self.best
+
+    def __str__(self) -> str:
+        vals = ", ".join(f"{r / GB:.1f}" for r in self.readings)
+        return (f"{self.best / GB:.1f} GB/s (best of {len(self.readings)} probes: {vals} GB/s; "
+                f"spread {self.relative_spread:.0%})")
+
+
+def probe_bandwidth(device: str | torch.device | None = None, probes: int = 3, **kwargs: Any) -> BandwidthProbe:
+    """:func:`measure_bandwidth` ``probes`` times: the readings, their best and their spread."""
+    dev = pick_device(device)
+    return BandwidthProbe(tuple(measure_bandwidth(dev, **kwargs) for _ in range(check_count(probes, "probes"))))
+
+
+def share_of_ceiling(measured_tok_s: float, bytes_per_token: float, probe: BandwidthProbe) -> tuple[float, float]:
+    """``measured ÷ (bandwidth ÷ bytes)`` against the best and the worst probe: (low, high) shares."""
+    check_number(measured_tok_s, "measured_tok_s", "tokens per second")
+    low = measured_tok_s / roofline.decode_ceiling_tok_s(probe.best, bytes_per_token)
+    high = measured_tok_s / roofline.decode_ceiling_tok_s(probe.worst, bytes_per_token)
+    return low, high
+
+
 def measure_matmul_flops(device: str | torch.device | None = None,
                          dtype: str | torch.dtype = torch.float32, n: int | None = None,
                          repeats: int = 5) -> float:
