@@ -17,3 +17,4 @@ def test_bench_last_line_is_json(capsys):
     assert parsed["decode_new_tokens"] == 3 and parsed["decode_tok_s_transformers"] > 0
     assert parsed["bandwidth_GBps"] > 0 and parsed["machine"]["torch_version"]
     assert 0 < parsed["decode_share_of_ceiling"]
+    assert parsed["decode_tokens_agree"] == "3/3"  # float32: the two loops make the same tokens

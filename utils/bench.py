@@ -20,27 +20,36 @@ import json
 import time
 from typing import Any
 
-from .engine import decode_speed, measure_decode, measure_prefill
-from .hardware import describe_machine, measure_bandwidth, measure_matmul_flops
+from .engine import decode_speed, generate, measure_prefill
+from .hardware import describe_machine, measure_matmul_flops, probe_bandwidth
 from .llama import Llama
 from .models import LoadedModel, load_model
 from .roofline import decode_bytes_per_token, decode_ceiling_tok_s
 from .tokens import filler_ids
 
 
-def hand_written_decode_tok_s(lm: LoadedModel, prompt_tokens: int, new_tokens: int, repeats: int) -> float:
-    """Median decode tok/s of the hand-written loop (:mod:`utils.llama`) on the same prompt."""
+def decode_both_backends(lm: LoadedModel, prompt_tokens: int, new_tokens: int, repeats: int) -> dict[str, Any]:
+    """Decode tok/s through transformers and the hand-written loop on the same prompt, and whether
+    their greedy tokens agree (a speed is only comparable between loops that make the same tokens)."""
     ids = filler_ids(lm.tokenizer, prompt_tokens, lm.device)
-    return decode_speed(Llama.from_hf(lm.model), ids, new_tokens, repeats=repeats).tok_s
+    hand = Llama.from_hf(lm.model)
+    ours, theirs = generate(hand, ids, new_tokens)[0].tolist(), generate(lm.model, ids, new_tokens)[0].tolist()
+    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
+    return {
+        "decode_tok_s_transformers": round(decode_speed(lm.model, ids, new_tokens, repeats=repeats).tok_s, 2),
+        "decode_tok_s_hand_written": round(decode_speed(hand, ids, new_tokens, repeats=repeats).tok_s, 2),
+        "decode_tokens_agree": f"{same}/{len(ours)}",
+    }
 
 
 def run(lm: LoadedModel, prompt_lengths: list[int], new_tokens: int, repeats: int) -> dict[str, Any]:
     """All the figures as one JSON-serialisable dict."""
-    bandwidth = max(measure_bandwidth(lm.device) for _ in range(3))  # a probe can only under-read
+    probe = probe_bandwidth(lm.device, probes=3)  # a probe can only under-read: the ceiling uses the best
+    bandwidth = probe.best
     flops = measure_matmul_flops(lm.device, lm.dtype)
     prefill = {n: measure_prefill(lm, n, repeats=repeats).tok_s for n in prompt_lengths}
     context = prompt_lengths[0]
-    decode = measure_decode(lm, new_tokens, prompt_tokens=context, repeats=repeats).tok_s
+    decode = decode_both_backends(lm, context, new_tokens, repeats)
     per_token = decode_bytes_per_token(lm.spec.weight_bytes_read_per_token, lm.spec.kv_bytes_per_token,
                                        context + new_tokens // 2)
     ceiling = decode_ceiling_tok_s(bandwidth, per_token)
@@ -48,14 +57,14 @@ def run(lm: LoadedModel, prompt_lengths: list[int], new_tokens: int, repeats: in
         "machine": describe_machine(lm.device),
         "model": lm.spec.as_dict(),
         "bandwidth_GBps": round(bandwidth / 1e9, 2),
+        "bandwidth_probes_GBps": [round(r / 1e9, 2) for r in probe.readings],
         "matmul_GFLOPs": round(flops / 1e9, 1),
         "prefill_tok_s": {str(n): round(v, 1) for n, v in prefill.items()},
         "decode_context_tokens": context,
         "decode_new_tokens": new_tokens,
-        "decode_tok_s_transformers": round(decode, 2),
-        "decode_tok_s_hand_written": round(hand_written_decode_tok_s(lm, context, new_tokens, repeats), 2),
+        **decode,
         "decode_ceiling_tok_s": round(ceiling, 1),
-        "decode_share_of_ceiling": round(decode / ceiling, 3),
+        "decode_share_of_ceiling": round(decode["decode_tok_s_transformers"] / ceiling, 3),
     }
 
 
@@ -70,7 +79,7 @@ def print_table(r: dict[str, Any]) -> None:
     for n, v in r["prefill_tok_s"].items():
         print(f"prefill      {n:>5} tokens: {v:>9.1f} tok/s")
     print(f"decode       transformers {r['decode_tok_s_transformers']} tok/s; hand-written "
-          f"{r['decode_tok_s_hand_written']} tok/s; ceiling (prediction) {r['decode_ceiling_tok_s']} tok/s; "
+          f"{r['decode_tok_s_hand_written']} tok/s (greedy tokens agree {r['decode_tokens_agree']}); ceiling (prediction) {r['decode_ceiling_tok_s']} tok/s; "
           f"transformers reaches {100 * r['decode_share_of_ceiling']:.0f}% of it")
 
 
