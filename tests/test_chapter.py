@@ -1,0 +1,21 @@
+"""The first cell of every chapter: what it prints, and the random-weights warning."""
+
+from __future__ import annotations
+
+from utils import chapter, models
+from utils.hardware import describe_machine
+
+
+def test_setup_lines_name_device_dtype_model_and_settings(lm, monkeypatch):
+    monkeypatch.setenv("WORKBOOK_QUICK", "1")
+    lines = chapter.describe_setup(lm, describe_machine(lm.device))
+    text = "\n".join(lines)
+    assert "float32" in text and "torch threads" in text and lm.name in text
+    assert f"context {lm.spec.max_context:,} tokens" in text and "quick (CI)" in text
+    assert "random weights" not in text
+
+
+def test_random_weights_are_announced():
+    test_lm = models.load_model(str(models.prepare_test_model(verbose=False)), device="cpu")
+    lines = chapter.describe_setup(test_lm, describe_machine(test_lm.device))
+    assert lines[-1].startswith("NOTE") and "text is meaningless" in lines[-1]
