@@ -140,3 +140,30 @@ def test_prompt_longer_than_context(lm):
 def test_non_positive_token_count(lm, bad):
     with pytest.raises(InvalidTokenCountError, match="positive whole number"):
         E.run_request(lm, "Hello", bad)
+
+
+def test_a_model_that_brings_its_own_phases_is_driven_by_the_engine(lm, hand):
+    """Chapter 05's by-hand model: a namespace with ``phases`` of the package's signatures."""
+    from types import SimpleNamespace
+
+    from utils import llama_phases
+
+    calls = []
+
+    def prefill(model, cache, ids, mask=None):
+        calls.append("prefill")
+        return llama_phases.prefill(hand, cache, ids, mask)
+
+    def decode_one_token(model, cache, token):
+        calls.append("decode")
+        return llama_phases.decode_one_token(hand, cache, token)
+
+    own = SimpleNamespace(device=hand.device, phases=SimpleNamespace(
+        new_cache=lambda model, batch, max_len: llama_phases.new_cache(hand, batch, max_len),
+        prefill=prefill, decode_one_token=decode_one_token, max_context=lambda model: 64))
+    ids = lm.tokenizer("The three primary colours are", return_tensors="pt").input_ids
+    assert E.generate(own, ids, 5)[0].tolist() == E.generate(hand, ids, 5)[0].tolist()
+    assert calls == ["prefill"] + ["decode"] * 4
+    assert E.decode_speed(own, ids, 3, repeats=1, warmup=0).tokens == 3
+    with pytest.raises(PromptTooLongError):  # its own max_context is honoured
+        E.generate(own, ids, 64)

@@ -134,22 +134,15 @@ def test_crossover_batch():
 
 # ------------------------------------------------------------- request time
 
-def test_request_time_short_prompt_is_94_percent_decode():
-    t = rl.request_time(1_000, 2_000, 300, 40)
-    assert t.ttft_s == pytest.approx(0.5)
-    assert t.decode_s == pytest.approx(7.5)
-    assert t.total_s == pytest.approx(8.0)
-    assert round(t.decode_share * 100) == 94
-    assert t.ttft_share + t.decode_share == pytest.approx(1.0)
-
-
-def test_request_time_rag_prompt_is_39_percent_ttft():
-    t = rl.request_time(12_000, 1_500, 500, 40)
-    assert t.ttft_s == pytest.approx(8.0)
-    assert t.decode_s == pytest.approx(12.5)
-    assert t.total_s == pytest.approx(20.5)
-    assert round(t.ttft_share * 100) == 39
-    assert t.as_dict()["total_s"] == pytest.approx(20.5)
+@pytest.mark.parametrize("prompt, prefill, out, decode, ttft, dec, total, ttft_pct", [
+    (1_000, 2_000, 300, 40, 0.5, 7.5, 8.0, 6),       # short prompt: 94% decode
+    (12_000, 1_500, 500, 40, 8.0, 12.5, 20.5, 39),   # RAG prompt: 39% TTFT
+])
+def test_request_time_seed_examples(prompt, prefill, out, decode, ttft, dec, total, ttft_pct):
+    t = rl.request_time(prompt, prefill, out, decode)
+    assert (t.ttft_s, t.decode_s, t.total_s) == pytest.approx((ttft, dec, total))
+    assert round(t.ttft_share * 100) == ttft_pct and round(t.decode_share * 100) == 100 - ttft_pct
+    assert t.as_dict()["total_s"] == pytest.approx(total)
 
 
 def test_request_time_without_output_is_all_prefill():
@@ -243,3 +236,40 @@ def test_request_cost_prices_input_output_and_cache_hits():
     with pytest.raises(WorkbookError, match="input_tokens"):
         rl.request_cost(-1, 0, 1, 1)
     assert rl.request_cost(20e3, 0, 1.0, 1.0) == pytest.approx(0.02)  # 20e3 is a count, as everywhere
+
+
+# ------------------------------------------------- materialized attention scores, ceilings of a request
+
+def test_attention_score_bytes_grows_with_the_square_of_the_context():
+    one = rl.attention_score_bytes(1, 9, 2_048)  # one layer, 9 heads, float32, one pass
+    assert one == 9 * 2_048 * 2_048 * 4 == pytest.approx(151e6, rel=0.01)
+    assert rl.attention_score_bytes(1, 9, 4_096) == 4 * one
+    assert rl.attention_score_bytes(30, 9, 2_048, passes=8) == 240 * one
+    # one decode step: one query row against everything cached
+    assert rl.attention_score_bytes(1, 9, 1, 2_047) == one / 2_048
+
+
+def test_attention_score_bytes_rejects_bad_input():
+    with pytest.raises(WorkbookError):
+        rl.attention_score_bytes(1, 9, 0)
+    with pytest.raises(WorkbookError):
+        rl.attention_score_bytes(1, 9, 16, passes=0)
+
+
+def test_ceiling_speeds_and_request_time_for_llama3_8b_on_h100():
+    params = 8_030_261_248
+    read = rl.weight_bytes_read_per_token(params, 2, 128_256, 4_096, tied_embeddings=False)
+    pf, dc = rl.ceiling_speeds(params, 2, 989.4e12, 3.35e12, read)
+    assert pf == pytest.approx(989.4e12 / (2 * params))
+    assert dc == pytest.approx(223.2, abs=0.1)  # 15.0 GB read per token, not 16.1
+    assert rl.ceiling_speeds(params, 2, 989.4e12, 3.35e12)[1] == pytest.approx(3.35e12 / (2 * params))
+    t = rl.request_time_at_ceilings(1_000, 300, params, 2, 989.4e12, 3.35e12, read)
+    assert (t.ttft_s, t.decode_s) == pytest.approx((1_000 / pf, 300 / dc))
+    assert t.decode_share > 0.98
+
+
+def test_ceiling_speeds_rejects_bad_input():
+    with pytest.raises(WorkbookError):
+        rl.ceiling_speeds(8e9, 2, 0, 3.35e12)
+    with pytest.raises(WorkbookError):
+        rl.ceiling_speeds(8e9, 2, 989e12, 3.35e12, bytes_read_per_token=-1)

@@ -46,3 +46,101 @@ def test_measured_vs_predicted():
     (0.10, 0.3, "per-operator overhead")])
 def test_decode_limit_follows_the_profile(share, matmul_share, expect):
     assert expect in V.decode_limit(share, matmul_share, 16.7, 50.0)
+
+
+# prefill at a short and a long prompt on the two synthetic machines (seconds):
+# AVX2-like fp32: slow matmuls, so even 16 tokens are mostly compute; AVX-512-like: fast
+# matmuls, so at 16 tokens the fixed cost of a pass dominates and neither floor explains it.
+PREFILL_AVX2 = dict(n_tokens=512, measured_s=1.30, compute_s=1.05, memory_s=0.010, fixed_s=0.03)
+PREFILL_AVX512_SHORT = dict(n_tokens=16, measured_s=0.0626, compute_s=0.0198, memory_s=0.0107, fixed_s=0.040)
+PREFILL_AVX512_SHORT_SLOW_MM = dict(n_tokens=16, measured_s=0.0626, compute_s=0.0198, memory_s=0.0107, fixed_s=0.005)
+
+
+def test_prefill_bound_follows_the_floors():
+    assert "compute-bound here" in V.prefill_bound(**PREFILL_AVX2)
+    s = V.prefill_bound(**PREFILL_AVX512_SHORT)
+    assert "neither explains it" in s and "fixed cost is what the roofline leaves out" in s and "64%" in s
+    s = V.prefill_bound(**PREFILL_AVX512_SHORT_SLOW_MM)
+    assert "matmuls run at only 34% of the rate of one large square matmul" in s
+    gpu = dict(n_tokens=16, measured_s=0.0012, compute_s=0.0001, memory_s=0.0011, fixed_s=0.0)
+    assert "memory-bandwidth-bound here" in V.prefill_bound(**gpu)
+
+
+def test_slowest_stream_follows_the_column():
+    avx512 = {"[192, 576]": 16.4, "[576, 576]": 16.6, "[49152, 576]": 16.4}  # the column of finding 5
+    assert "about the same rate" in V.slowest_stream(avx512)
+    avx2 = {"[192, 576]": 6.1, "[576, 576]": 11.0, "[49152, 576]": 14.2}
+    s = V.slowest_stream(avx2)
+    assert s.startswith("[192, 576] streams slowest (6.1 GB/s), 2.33x below") and "[49152, 576]" in s
+
+
+# 00's decode share on two synthetic machines: an "AVX2-like" one whose bf16/fp32 one-row matmuls
+# stream far below the probe, an "AVX-512-like" GPU-ish one close to it; plus cache-resident and noisy.
+@pytest.mark.parametrize("low, high, noisy, expect", [
+    (0.12, 0.14, False, "the rest goes to something else"),
+    (0.78, 0.82, False, "close to it, so streaming the weights bounds decode"),
+    (0.60, 0.75, False, "probes disagree"),
+    (1.3, 1.5, False, "came from caches"),
+    (0.78, 0.82, True, "NOISY")])
+def test_decode_share_follows_the_numbers(low, high, noisy, expect):
+    s = V.decode_share(low, high, noisy=noisy)
+    assert expect in s and f"{low:.0%}" in s
+
+
+def test_decode_share_one_number_when_the_probes_agree():
+    assert "reaches 27% of" in V.decode_share(0.271, 0.272)
+
+
+# gap_explained: "AVX2-like" (slow elementwise work: the score traffic explains the gap) against
+# "AVX-512-like" (fast score passes, matmuls below the probe: the traffic closes only part of it).
+@pytest.mark.parametrize("measured, base, with_term, expect", [
+    (68.0, 32.0, 60.0, "accounts for the measurement"),           # AVX2-like
+    (68.0, 32.0, 41.0, "closes 25% of the gap"),                    # AVX-512-like
+    (30.0, 32.0, 41.0, "no gap for it to explain"),                 # measured at or below the base
+    (45.0, 32.0, 80.0, "overshoots the measurement by 78%"),
+])
+def test_gap_explained_follows_the_numbers(measured, base, with_term, expect):
+    s = V.gap_explained("no-cache / cached at 2,048", measured, base, with_term, "the score-matrix traffic")
+    assert expect in s and f"{measured:,.3g}" in s
+
+
+# decode of four variants (fp32, bf16, int8 kernel, int4 kernel) on the two synthetic machines:
+# AVX-512-like: native bf16, step time follows the bytes; AVX2-like: bf16 emulated, slower than fp32.
+SPEED_NAMES = ("fp32", "bf16", "int8", "int4")
+SPEED_BYTES = (540e6, 270e6, 145e6, 110e6)
+SPEED_AVX512 = (26.7, 57.0, 92.5, 111.7)
+SPEED_AVX2 = (25.0, 18.0, 60.0, 70.0)
+
+
+def test_fit_step_time_recovers_a_line():
+    floor, per_byte = V.fit_step_time([1e8, 2e8, 4e8], [1 / (0.002 + b / 20e9) for b in (1e8, 2e8, 4e8)])
+    assert floor == pytest.approx(0.002) and 1 / per_byte == pytest.approx(20e9)
+    with pytest.raises(ValueError):
+        V.fit_step_time([1e8, 1e8], [10.0, 12.0])
+
+
+def test_speed_follows_bytes_on_both_machines():
+    fast = V.speed_follows_bytes(SPEED_NAMES, SPEED_BYTES, SPEED_AVX512)
+    assert "fp32 14.4, bf16 15.4" in fast and "still scales with the bytes read" in fast
+    slow = V.speed_follows_bytes(SPEED_NAMES, SPEED_BYTES, SPEED_AVX2)
+    assert "bf16 reads 2.0x fewer bytes than fp32 yet runs 1.39x slower" in slow
+    assert "does not follow bytes alone" in slow and "still scales" not in slow
+
+
+def test_speed_follows_bytes_down_to_a_floor():
+    speeds = [1 / (0.010 + b / 50e9) for b in SPEED_BYTES]  # a 10 ms floor: most of the int4 step
+    assert "fixed floor takes most of the step" in V.speed_follows_bytes(SPEED_NAMES, SPEED_BYTES, speeds)
+    flat = V.speed_follows_bytes(SPEED_NAMES, SPEED_BYTES, (30.0, 30.0, 30.0, 30.0))
+    assert "bytes do not set the step time" in flat
+
+
+@pytest.mark.parametrize("share, matmul_share, matmul_GBps, probe_GBps, expect", [
+    (0.27, 0.80, 16.7, 50.0, "one-row matmul kernel's effective bandwidth"),  # AVX-512 box, matmuls far below the probe
+    (0.59, 0.76, 26.2, 22.2, "the rest of the step (24% of it"),              # 2-vCPU box whose probe under-reads
+    (0.10, 0.30, 30.0, 25.0, "the rest of the step (70% of it"),
+    (0.80, 0.90, 30.0, 25.0, "bandwidth-bound")])
+def test_decode_bound_never_calls_a_faster_stream_slow(share, matmul_share, matmul_GBps, probe_GBps, expect):
+    s = V.decode_bound(share, matmul_share, matmul_GBps, probe_GBps)
+    assert expect in s
+    if matmul_GBps >= probe_GBps:
+        assert "stream only" not in s

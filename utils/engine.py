@@ -3,7 +3,8 @@
 The phase vocabulary (:func:`new_cache`, :func:`prefill`, :func:`decode_one_token`,
 :func:`extend`, :func:`rollback`) dispatches on the model: a hand-written
 :class:`~utils.llama.Llama` runs :mod:`utils.llama_phases`, anything else is a
-transformers model and runs :mod:`utils.phases`. Everything below is written once
+transformers model and runs :mod:`utils.phases` (a model that carries its own ``phases``
+namespace of the same signatures runs those: chapter 05's by-hand model). Everything below is written once
 over that vocabulary, so swapping backends is swapping the model you pass:
 
 - :func:`decode_steps`: the decode loop as a generator, one token per row per step;
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -43,8 +43,17 @@ from .tokens import encode, filler_ids
 # ----------------------------------------------------------------------------- the phases, either backend
 
 
-def backend_for(model_or_cache: Any) -> ModuleType:
-    """:mod:`utils.llama_phases` for the hand-written model (or its cache), else :mod:`utils.phases`."""
+def backend_for(model_or_cache: Any) -> Any:
+    """The phase functions for this model (or cache).
+
+    A model (or cache) that brings its own ``phases`` (a namespace with ``new_cache``, ``prefill``,
+    ``decode_one_token``, ``max_context`` of the same signatures: a model written by hand in a
+    notebook) runs those; the hand-written :class:`~utils.llama.Llama` (or its cache) runs
+    :mod:`utils.llama_phases`; anything else is a transformers model and runs :mod:`utils.phases`.
+    """
+    own = getattr(model_or_cache, "phases", None)
+    if own is not None and not isinstance(model_or_cache, (Llama, KVCache)):
+        return own
     return llama_phases if isinstance(model_or_cache, (Llama, KVCache)) else phases
 
 

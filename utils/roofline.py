@@ -155,6 +155,25 @@ def attention_flops(n_layers: int, attn_dim: int, new_tokens: int, cached_tokens
     return 4.0 * layers * dim * keys_seen
 
 
+def attention_score_bytes(n_layers: int, n_heads: int, new_tokens: int, cached_tokens: int = 0,
+                          bytes_per_elem: float = 4, passes: int = 1) -> float:
+    """Memory traffic of attention scores that are materialized (B): ``passes x L x H x new x (cached + new) x bytes``.
+
+    An attention written as plain tensor operations (``q @ kᵀ``, scale, mask, softmax,
+    ``@ v``) writes a ``[heads, new, cached + new]`` score matrix per layer -- the whole
+    rectangle, masked part included -- and every following operation passes over it
+    again: ``passes`` counts those writes and reads. It grows with the square of the
+    context: 9 heads at 2,048 tokens in float32 is 151 MB per layer per pass. A fused
+    kernel (FlashAttention, ``scaled_dot_product_attention`` on a GPU) keeps the scores
+    in on-chip memory and moves none of these bytes.
+    """
+    layers, heads = check_count(n_layers, "n_layers"), check_count(n_heads, "n_heads")
+    new = check_count(new_tokens, "new_tokens", error=InvalidTokenCountError)
+    old = check_count(cached_tokens, "cached_tokens", allow_zero=True, error=InvalidTokenCountError)
+    size = check_number(bytes_per_elem, "bytes_per_elem", "bytes per element")
+    return float(check_count(passes, "passes") * layers * heads * new * (old + new) * size)
+
+
 def prefill_flops(n_params: float, n_tokens: int, n_layers: int | None = None,
                   hidden_size: int | None = None) -> float:
     """Floating-point operations to prefill ``n_tokens`` prompt tokens (FLOP).
@@ -282,6 +301,33 @@ def request_time(prompt_tokens: int, prefill_tok_s: float, output_tokens: int,
     total = ttft + decode
     return RequestTime(ttft_s=ttft, decode_s=decode, total_s=total,
                        ttft_share=ttft / total, decode_share=decode / total)
+
+
+def ceiling_speeds(n_params: float, bytes_per_param: float, peak_flops: float, bandwidth_bytes_s: float,
+                   bytes_read_per_token: float | None = None) -> tuple[float, float]:
+    """(prefill, decode) tok/s at an accelerator's ceilings for a model of ``n_params`` weights.
+
+    Prefill at the FLOP/s ceiling (:func:`prefill_ceiling_tok_s`), decode at the bandwidth
+    ceiling (:func:`decode_ceiling_tok_s`) over ``bytes_read_per_token`` -- by default every
+    weight (``n_params x bytes_per_param``); give :func:`weight_bytes_read_per_token` for a
+    model with an untied input embedding. Weights only: attention FLOPs and the KV-cache
+    read are left out, so these are upper bounds on speed.
+    """
+    read = (weight_bytes(n_params, bytes_per_param) if bytes_read_per_token is None
+            else check_number(bytes_read_per_token, "bytes_read_per_token", "bytes per token"))
+    return prefill_ceiling_tok_s(peak_flops, n_params), decode_ceiling_tok_s(bandwidth_bytes_s, read)
+
+
+def request_time_at_ceilings(prompt_tokens: int, output_tokens: int, n_params: float, bytes_per_param: float,
+                             peak_flops: float, bandwidth_bytes_s: float,
+                             bytes_read_per_token: float | None = None) -> RequestTime:
+    """:func:`request_time` at the speeds of :func:`ceiling_speeds`: the least time a request can take.
+
+    Llama-3-8B in bf16 on an H100 SXM (989.4 TFLOP/s, 3.35 TB/s, ~15.0 GB read per token):
+    1,000 prompt + 300 output tokens take at least ~0.016 s + ~1.34 s.
+    """
+    pf, dc = ceiling_speeds(n_params, bytes_per_param, peak_flops, bandwidth_bytes_s, bytes_read_per_token)
+    return request_time(prompt_tokens, pf, output_tokens, dc)
 
 
 def request_cost(input_tokens: int, output_tokens: int, usd_per_m_input: float,

@@ -77,3 +77,163 @@ def decode_limit(share_of_ceiling: float, matmul_share_of_step: float, matmul_GB
     return (f"Decode reaches {share_of_ceiling:.0%} of the ceiling and the matmuls take only "
             f"{matmul_share_of_step:.0%} of the step: per-operator overhead (dispatch, small kernels) "
             "bounds decode here, not the bytes.")
+
+
+def prefill_bound(n_tokens: int, measured_s: float, compute_s: float, memory_s: float,
+                  fixed_s: float, *, explained: float = 0.7) -> str:
+    """What sets the time of one prefill pass of ``n_tokens``, from the roofline's two floors.
+
+    ``compute_s`` = FLOPs / measured large-matmul FLOP/s, ``memory_s`` = bytes read / bandwidth,
+    ``fixed_s`` = the cost of a pass whatever its length (a linear fit's intercept). When the
+    larger floor explains at least ``explained`` of the measured time, that limit binds;
+    otherwise the time is split into the fixed cost and the matmuls' own speed.
+    """
+    t = check_number(measured_s, "measured_s", "seconds")
+    floor = max(check_number(compute_s, "compute_s", "seconds"), check_number(memory_s, "memory_s", "seconds"))
+    which = "compute" if compute_s >= memory_s else "memory-bandwidth"
+    head = (f"At n = {n_tokens:,}: measured {t * 1e3:,.1f} ms against roofline floors of {compute_s * 1e3:,.1f} ms "
+            f"(compute) and {memory_s * 1e3:,.1f} ms (memory)")
+    if floor >= explained * t:
+        return f"{head}; the {which} floor explains {floor / t:.0%} of it: prefill is {which}-bound here."
+    fixed = min(max(fixed_s, 0.0), t)
+    rest = t - fixed
+    why = (f"the other {rest * 1e3:,.1f} ms are within reach of the compute floor, so the fixed cost is what "
+           "the roofline leaves out" if rest * explained <= compute_s else
+           f"in the other {rest * 1e3:,.1f} ms the pass's matmuls run at only {compute_s / rest:.0%} of the rate of "
+           "one large square matmul, which accounts for the rest")
+    return (f"{head}; neither explains it (the larger is {floor / t:.0%} of it). The fixed cost of a pass "
+            f"({fixed * 1e3:,.1f} ms) is {fixed / t:.0%} of it; {why}.")
+
+
+def slowest_stream(rates: dict[str, float], *, unit: str = "GB/s", tie: float = TIE) -> str:
+    """Which of several weight shapes streams slowest through a one-row matmul, or that none does.
+
+    ``rates``: achieved bandwidth per shape (``{"[192, 576]": 16.4e9, ...}``, any one unit).
+    """
+    if not rates:
+        raise ValueError("rates must name at least one shape")
+    lo = min(rates, key=lambda k: rates[k])
+    hi = max(rates, key=lambda k: rates[k])
+    slow, fast = check_number(rates[lo], lo, unit), check_number(rates[hi], hi, unit)
+    if fast / slow - 1 < tie:
+        return (f"Every shape streams at about the same rate ({slow:,.1f} to {fast:,.1f} {unit}): "
+                "no shape suffers more than another on this machine.")
+    return (f"{lo} streams slowest ({slow:,.1f} {unit}), {fast / slow:.2f}x below the fastest, "
+            f"{hi} ({fast:,.1f} {unit}).")
+
+
+def decode_share(low: float, high: float, *, noisy: bool = False, near: float = 0.7) -> str:
+    """How close measured decode came to the bandwidth ceiling, as a range over the probes' readings.
+
+    ``low``/``high``: the share against the best and the worst bandwidth probe
+    (:func:`utils.hardware.share_of_ceiling`). Above 100 %, part of the bytes came from
+    caches faster than the probe's memory; at or above ``near``, streaming the weights
+    bounds decode; below, the rest of each step goes elsewhere. ``noisy``: the decode
+    timing's spread was too large to draw a conclusion from.
+    """
+    lo, hi = check_number(low, "low", "share"), check_number(high, "high", "share")
+    span = f"{lo:.0%}" if round(lo, 2) == round(hi, 2) else f"{lo:.0%}-{hi:.0%}"
+    head = f"Decode reaches {span} of the bandwidth ceiling on this machine (best-worst probe)"
+    if noisy:
+        return f"{head}, but the decode timing is NOISY: run it again before drawing a conclusion."
+    if lo > 1.0:
+        return (f"{head}: above it, so part of the bytes read per token came from caches faster than the "
+                "memory the probe measured; the ceiling does not bind for a model this small here.")
+    if lo >= near:
+        return f"{head}: close to it, so streaming the weights bounds decode here."
+    if hi >= near:
+        return (f"{head}: near it against the worst probe only; the probes disagree too much to say "
+                "whether bandwidth binds.")
+    return (f"{head}: below it. Streaming the weights at the probed bandwidth accounts for only that share of "
+            "each step; the rest goes to something else (matmul kernels streaming below the probe, "
+            "per-operator overhead): chapter 04 profiles where.")
+
+
+def gap_explained(what: str, measured: float, base: float, with_term: float, term: str) -> str:
+    """How much of the gap between a measurement and a base prediction one more term of the model closes.
+
+    ``base``: the prediction without ``term``; ``with_term``: with it. "the score-matrix traffic closes
+    40% of the gap ...", "accounts for the gap", or that there was no gap to explain.
+    """
+    m, b, w = (check_number(x, n, "") for x, n in ((measured, "measured"), (base, "base"), (with_term, "with_term")))
+    head = f"{what}: measured {m:,.3g}, predicted {b:,.3g} without {term} and {w:,.3g} with it"
+    if m <= b * (1 + TIE):
+        return f"{head}. The measurement is not above the prediction without {term}: there is no gap for it to explain."
+    share = (w - b) / (m - b)
+    if abs(w / m - 1) <= 0.25:
+        return f"{head}. With {term} the model accounts for the measurement (within 25%)."
+    if w > m:
+        return f"{head}. With {term} the model overshoots the measurement by {w / m - 1:.0%}: it overestimates {term}."
+    return (f"{head}. {term[0].upper() + term[1:]} closes {share:.0%} of the gap; the rest is a cost the model "
+            "leaves out (e.g. kernels running below the probed FLOP/s or bandwidth).")
+
+from typing import Sequence  # used by the functions below (this block is appended to the module)
+
+def fit_step_time(bytes_per_token: Sequence[float], tok_s: Sequence[float]) -> tuple[float, float]:
+    """Least-squares line through (bytes read per token, seconds per token) of several variants.
+
+    ``(floor_s, seconds_per_byte)``: step ≈ floor + bytes x seconds_per_byte. The floor is
+    what a step costs whatever it reads (dispatch, norms, attention); ``1 / seconds_per_byte``
+    is the bandwidth the matmuls effectively stream at. Needs two or more distinct sizes.
+    """
+    xs = [check_number(b, "bytes_per_token", "bytes") for b in bytes_per_token]
+    ys = [1 / check_number(t, "tok_s", "tokens per second") for t in tok_s]
+    if len(xs) != len(ys) or len(set(xs)) < 2:
+        raise ValueError("fit_step_time needs as many speeds as sizes, and two or more distinct sizes.")
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, slope
+
+
+def _slower_with_fewer_bytes(names: Sequence[str], sizes: Sequence[float], speeds: Sequence[float],
+                             tie: float) -> list[str]:
+    """Sentences for each variant that reads fewer bytes than another yet runs slower (beyond ``tie``)."""
+    found = []
+    for i, j in ((i, j) for i in range(len(names)) for j in range(len(names))):
+        if sizes[i] < sizes[j] and speeds[j] / speeds[i] - 1 >= tie:
+            found.append(f"{names[i]} reads {sizes[j] / sizes[i]:.1f}x fewer bytes than {names[j]} yet runs "
+                         f"{speeds[j] / speeds[i]:.2f}x slower: its kernel, not its bytes, sets its speed here.")
+    return found
+
+
+def speed_follows_bytes(names: Sequence[str], bytes_per_token: Sequence[float], tok_s: Sequence[float], *,
+                        tie: float = TIE) -> str:
+    """Does decode speed follow the bytes read per token, across variants (dtypes, quantizations)?
+
+    Prints bytes x tok/s for each (the bandwidth each decode achieved), fits step = floor +
+    bytes ÷ bandwidth, and says which bound holds: the matmuls' effective bandwidth (time
+    scales with bytes), a fixed floor (at the smallest variant), or neither (a variant
+    with fewer bytes runs slower).
+    """
+    achieved = ", ".join(f"{n} {b * t / 1e9:.1f}" for n, b, t in zip(names, bytes_per_token, tok_s))
+    head = f"Bytes x tok/s (the bandwidth each decode achieved): {achieved} GB/s."
+    exceptions = _slower_with_fewer_bytes(names, bytes_per_token, tok_s, tie)
+    if exceptions:  # no one line fits: say which variant breaks the rule
+        return f"{head} Speed does not follow bytes alone: " + " ".join(exceptions)
+    floor, per_byte = fit_step_time(bytes_per_token, tok_s)
+    if per_byte <= 0:
+        return f"{head} Speed does not grow as bytes shrink here: bytes do not set the step time."
+    small = min(range(len(names)), key=lambda i: bytes_per_token[i])
+    floor_share = min(max(floor, 0.0) * tok_s[small], 1.0)
+    fit = (f"Fit over the {len(names)} variants: step ≈ {max(floor, 0.0) * 1e3:.2f} ms + bytes ÷ "
+           f"{1 / per_byte / 1e9:.1f} GB/s; the fixed part is {floor_share:.0%} of the {names[small]} step.")
+    if floor_share >= 0.5:
+        return (f"{head} {fit} Fewer bytes made decode faster down to the smallest variant, where the fixed floor "
+                "takes most of the step: fewer bytes still would barely help; removing the floor would.")
+    return (f"{head} {fit} Decode is limited by the matmul kernels' effective bandwidth and its time still "
+            "scales with the bytes read; only a fixed floor remains beside it.")
+
+
+def decode_bound(share_of_ceiling: float, matmul_share_of_step: float, matmul_GBps: float,
+                 probe_GBps: float, *, at_probe: float = 0.9) -> str:
+    """:func:`decode_limit`, plus the case where the matmuls stream at the probe's rate or above it.
+
+    Then the matmuls already run at the memory's speed (a probe that a one-row matmul beats
+    under-reads the bandwidth), and what keeps decode from the ceiling is the rest of the step.
+    """
+    if matmul_GBps < at_probe * check_number(probe_GBps, "probe_GBps", "GB/s") or share_of_ceiling >= 0.7:
+        return decode_limit(share_of_ceiling, matmul_share_of_step, matmul_GBps, probe_GBps)
+    return (f"Decode reaches {share_of_ceiling:.0%} of the ceiling. The matmuls stream {matmul_GBps:.1f} GB/s, at or "
+            f"above the {probe_GBps:.1f} GB/s probed: they run at the memory's speed (the probe under-reads it), "
+            f"so what keeps decode from the ceiling is the rest of the step ({1 - matmul_share_of_step:.0%} of it "
+            "in the profile): per-operator overhead, attention, the cache update.")
