@@ -111,7 +111,7 @@ def _layer_cells() -> list[tuple[bool, str]]:
     return [("### BEGIN SOLUTION" in s, s) for s in cells[first:last + 1]]
 
 
-def _namespace() -> dict:
+def _namespace(in_features: int = 256) -> dict:
     """What those cells expect from the notebook's setup, with a synthetic layer instead of the model."""
     import math
 
@@ -121,9 +121,10 @@ def _namespace() -> dict:
     from utils import checks, quant
 
     gen = torch.Generator().manual_seed(0)
-    W = torch.randn(96, 256, generator=gen) * 0.05
-    X = torch.randn(8, 256, generator=gen)
-    ns = dict(torch=torch, math=math, F=F, Tensor=Tensor, quant=quant, NAME="synthetic layer", W=W, X=X, Y=X @ W.T)
+    W = torch.randn(96, in_features, generator=gen) * 0.05
+    X = torch.randn(8, in_features, generator=gen)
+    ns = dict(torch=torch, math=math, F=F, Tensor=Tensor, quant=quant, NAME="synthetic layer", W=W, X=X, Y=X @ W.T,
+              OUT_F=96, IN_F=in_features)
     ns.update({name: getattr(checks, name) for name in dir(checks) if name.startswith("check_")})
     return ns
 
@@ -144,8 +145,9 @@ WRONG_ANSWERS = {
 }
 
 
-def test_quantization_lab_checks_pass_on_the_solution(capsys: pytest.CaptureFixture[str]) -> None:
-    ns = _namespace()
+@pytest.mark.parametrize("in_features", [256, 344, 131])  # whole groups; the test model's MLP; a prime
+def test_quantization_lab_checks_pass_on_the_solution(capsys: pytest.CaptureFixture[str], in_features: int) -> None:
+    ns = _namespace(in_features)
     for _, source in _layer_cells():
         exec(source, ns)
     assert "✗" not in capsys.readouterr().out

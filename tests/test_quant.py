@@ -6,6 +6,9 @@ Tolerances, and why:
 - layer outputs on Gaussian weights and inputs: int8 within 1% relative (Frobenius) error
   (measured ~0.4%), int4 at group 32 within 10% (measured ~6%).
 - kernel vs reference: 1e-4 relative in float32, 2% in bfloat16 (bf16 keeps 8 bits).
+- any width: the test model's down_proj (in_features 344, not a multiple of 32, 64 or 16)
+  and prime sizes (131 in, 37 out) must quantize with the same bounds, on the kernel path
+  too (zero-padded), never crash the int8 kernel.
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from utils.quant import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, pack_int4,
-                         quantize_int4, quantize_int4_unpacked, quantize_int8, unpack_int4,
-                         weight_bytes)
+from utils.quant import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, int8_matmul_kernel,
+                         pack_int4, pad_to_multiple, padded_width, quantize_int4, quantize_int4_unpacked,
+                         quantize_int8, unpack_int4, weight_bytes)
 
 IN, OUT = 256, 96  # OUT a multiple of 16: the CPU int4 kernel needs it
 
@@ -75,9 +78,67 @@ def test_int4_error_bound_and_range(linear: nn.Linear, group_size: int) -> None:
     assert bool((qg.gather(-1, idx_min) == 0).all()) and bool((qg.gather(-1, idx_max) == 15).all())
 
 
-def test_int4_rejects_ragged_groups() -> None:
-    with pytest.raises(ValueError, match="not a multiple of group_size"):
-        quantize_int4(torch.randn(4, 48), group_size=32)
+def test_padding_helpers() -> None:
+    assert [padded_width(w, 32) for w in (1, 32, 33, 344)] == [32, 32, 64, 352]
+    w = torch.randn(3, 5)
+    assert pad_to_multiple(w, 5) is w
+    p = pad_to_multiple(w, 4)
+    assert p.shape == (3, 8) and torch.equal(p[:, :5], w) and not p[:, 5:].any()
+    rows = pad_to_multiple(w, 16, dim=0)
+    assert rows.shape == (16, 5) and torch.equal(rows[:3], w) and not rows[3:].any()
+    with pytest.raises(ValueError, match="even"):
+        quantize_int4(torch.randn(4, 48), group_size=33)
+
+
+@pytest.mark.parametrize("width", [344, 131])  # the test model's down_proj; a prime
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int4_pads_the_last_group(width: int, group_size: int) -> None:
+    w = torch.randn(37, width, generator=torch.Generator().manual_seed(2))
+    q, scales, zeros = quantize_int4_unpacked(w, group_size)
+    padded = padded_width(width, group_size)
+    assert q.shape == (37, padded) and scales.shape == zeros.shape == (37, padded // group_size)
+    packed = pack_int4(q)
+    assert packed.shape == (37, padded // 2)
+    assert dequantize_int4(packed, scales, zeros, group_size).shape == (37, padded)
+    w_hat = dequantize_int4(packed, scales, zeros, group_size, in_features=width)
+    assert w_hat.shape == w.shape
+    bound = (scales / 2).repeat_interleave(group_size, dim=1)[:, :width]
+    assert bool(((w_hat - w).abs() <= bound * (1 + 1e-4) + 1e-7).all())
+    last = pad_to_multiple(w, group_size)[:, -group_size:]  # the padded group: weights, then zeros
+    assert torch.allclose(scales[:, -1], (last.amax(-1) - last.amin(-1)) / 15)
+
+
+@pytest.mark.parametrize("in_f, out_f", [(344, 128), (131, 37)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.02)])
+def test_any_width_on_the_kernel_path(in_f: int, out_f: int, dtype: torch.dtype, tol: float) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(in_f, out_f)
+    nn.init.normal_(lin.weight, std=0.05)
+    xs = torch.randn(2, 3, in_f).to(dtype)
+    # the reference int8 layer stores q as is; the int4 one stores whole groups (K_p columns)
+    for make, ref_padding in ((lambda k: Int8Linear.from_linear(lin, dtype=dtype, use_kernel=k), ""),
+                              (lambda k: Int4Linear.from_linear(lin, 32, dtype=dtype, use_kernel=k),
+                               f"stored as [{out_f}, {padded_width(in_f, 32)}] (zero-padded from [{out_f}, {in_f}])")):
+        fast, ref = make(None), make(False)
+        assert (fast.in_features, fast.out_features) == (in_f, out_f) and ref.padding == ref_padding
+        if not fast.use_kernel:
+            assert fast.kernel_note.startswith("reference path")
+            continue
+        assert "zero-padded" in fast.padding  # every one of these sizes needs a pad for some kernel
+        with torch.no_grad():
+            a, b = fast(xs), ref(xs)
+            assert a.shape == b.shape == (2, 3, out_f)
+            assert rel_err(a, b) < tol and rel_err(b.float(), lin(xs.float())) < 0.1
+    k4 = Int4Linear.from_linear(lin, 32, dtype=torch.bfloat16)
+    if k4.use_kernel:  # the padded rows and columns are stored: their bytes are counted
+        n_p, k_p = padded_width(out_f, 16), padded_width(in_f, 32)
+        assert weight_bytes(k4) == n_p * k_p // 2 + 2 * 2 * n_p * k_p // 32 + out_f * 2
+
+
+def test_the_int8_kernel_refuses_a_width_it_would_read_past() -> None:
+    q, scale = quantize_int8(torch.randn(128, 344))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        int8_matmul_kernel(torch.randn(2, 344, dtype=torch.bfloat16), q, scale)
 
 
 def test_pack_unpack_round_trip() -> None:
@@ -122,10 +183,16 @@ def test_kernel_path_equals_reference_path(linear: nn.Linear, x: torch.Tensor, m
     assert rel_err(a, b) < tol
 
 
-def test_kernel_falls_back_cleanly_or_raises_when_forced() -> None:
-    odd = nn.Linear(64, 40)  # 40 output rows: the CPU int4 kernel wants a multiple of 16
+def test_kernel_falls_back_cleanly_or_raises_when_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    from utils import quant
+
+    def missing(q: torch.Tensor, device: torch.device) -> torch.Tensor:
+        raise NotImplementedError("no int4 kernel in this build")
+
+    monkeypatch.setattr(quant, "int4_kernel_pack", missing)
+    odd = nn.Linear(64, 40)
     layer = Int4Linear.from_linear(odd, 32)
-    assert layer.path == "reference" and "reference path" in layer.kernel_note
+    assert layer.path == "reference" and "no int4 kernel in this build" in layer.kernel_note
     inputs = torch.randn(3, 64)
     with torch.no_grad():
         assert rel_err(layer(inputs), odd(inputs)) < 0.1
@@ -183,3 +250,103 @@ def int8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tor
     from utils.quant import int8_matmul_reference
 
     return int8_matmul_reference(x, q, scale)
+
+
+# ----------------------------------------------------------------------------- judging a quantized model
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    """A random untied Llama with an MLP width (88) that is not a multiple of 32: (transformers, hand-written)."""
+    import transformers as tf
+
+    from utils.llama import Llama
+
+    cfg = tf.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128,
+                         tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    hf = tf.LlamaForCausalLM(cfg).eval()
+    return hf, Llama.from_hf(hf)
+
+
+def _quantized_copy(model, make):
+    import copy
+
+    from utils.llama import iter_linears, replace_linear
+
+    new = copy.deepcopy(model)
+    for name, lin in iter_linears(model):
+        replace_linear(new, name, make(lin))
+    return new
+
+
+def test_bytes_read_per_token_skips_only_the_untied_embedding(tiny_pair) -> None:
+    from utils.llama import iter_linears
+    from utils.quant import bytes_read_per_token
+
+    hf, hand = tiny_pair
+    every = sum(p.numel() for p in hf.parameters()) * 4
+    assert bytes_read_per_token(hand) == every - hf.model.embed_tokens.weight.numel() * 4
+    int8 = _quantized_copy(hand, lambda lin: Int8Linear.from_linear(lin, use_kernel=False))
+    norms = (2 * 2 + 1) * 64 * 4  # two norms per layer and the final one, float32
+    projections = sum(lin.weight.numel() + lin.out_features * 4 for _, lin in iter_linears(hand))  # q + scales
+    assert bytes_read_per_token(int8) == projections + norms
+
+
+def test_perplexity_is_the_same_on_both_backends_and_equals_transformers_loss(tiny_pair) -> None:
+    import math
+
+    from utils.quant import perplexity
+
+    hf, hand = tiny_pair
+    ids = torch.randint(1, 96, (1, 40), generator=torch.Generator().manual_seed(3))
+    want = math.exp(hf(ids, labels=ids).loss.item())
+    assert perplexity(hand, ids) == pytest.approx(want, rel=1e-4)
+    assert perplexity(hf, ids) == pytest.approx(want, rel=1e-4)
+    with pytest.raises(ValueError, match=r"\[1, T\]"):
+        perplexity(hand, ids[:, :1])
+
+
+def test_tokens_agreed() -> None:
+    from utils.quant import tokens_agreed
+
+    assert tokens_agreed(torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 5, 4])) == 2
+    assert tokens_agreed([5, 6], [5, 6, 7]) == 2
+    assert tokens_agreed(torch.tensor([[7]]), [8]) == 0
+
+
+def test_variant_table_measures_quality_bytes_and_speed(tiny_pair) -> None:
+    from utils.quant import VariantTable
+
+    _, hand = tiny_pair
+    ids = torch.randint(1, 96, (1, 32), generator=torch.Generator().manual_seed(4))
+    table = VariantTable(hand, ids, [ids[:, :5], ids[:, 5:12]], n_agree=6)
+    base = table.add("fp32", hand, "fp32", "fp32", "F.linear", show=False)
+    assert (base.agreed, base.of) == (12, 12) and base.tok_s != base.tok_s  # nan until measured
+    int4 = _quantized_copy(hand, lambda lin: Int4Linear.from_linear(lin, 32))
+    row = table.add("int4", int4, "int4 g32", "fp32", "aten", show=False)
+    assert row.bytes < base.bytes / 4 and 0 <= row.agreed <= 12
+    assert abs(row.ppl / base.ppl - 1) < 0.2
+    calls = []
+    table.measure_speeds(ids[:, :8], n_tokens=4, slow_tokens=2, repeats=2, between=lambda: calls.append(1))
+    assert len(calls) == 3 and len(row.timing.samples) == 2 and row.tokens == 4
+    assert row.tok_s > 0 and row.best_tok_s >= row.tok_s and row.kv_bytes > 0 and row.read > row.bytes
+
+
+def test_predicted_speedup_is_amdahl() -> None:
+    from utils.quant import predicted_speedup
+
+    assert predicted_speedup(0.8, 1 / 6) == pytest.approx(3.0)
+    assert predicted_speedup(0.3, 1e-9) == pytest.approx(1 / 0.7)
+    assert predicted_speedup(0.0, 0.1) == 1.0
+    with pytest.raises(ValueError):
+        predicted_speedup(1.2, 0.5)
+
+
+def test_decode_matmul_seconds_finds_the_matmuls(tiny_pair) -> None:
+    from utils.quant import decode_matmul_seconds
+
+    _, hand = tiny_pair
+    seconds = decode_matmul_seconds(hand, torch.tensor([[1, 2, 3, 4]]), n_tokens=3)
+    assert 0 < seconds < 1

@@ -34,23 +34,83 @@ Kernels (PyTorch's own, ``torch.ops.aten``), checked against the reference on fi
     When a kernel is missing or disagrees with the reference, the module falls back
     to the reference path and says why in ``kernel_note``.
 
+Any width (a layer whose sizes do not fit the groups or the kernels)
+    - int4 groups: when ``in_features`` is not a multiple of ``g``, W's columns are
+      **zero-padded** to the next multiple (:func:`pad_to_multiple`) and quantized; the
+      last group is then part weights, part zeros. The quantized matrix keeps the padded
+      width ``K_p`` (its extra columns are stored: honest bytes) and the layer keeps the
+      true ``in_features``: the reference path cuts the de-quantized matrix back to it,
+      the kernel path pads ``x`` with zeros instead (a zero input times any weight is 0).
+    - int8 kernel: ``_weight_int8pack_mm`` on CPU reads K in blocks of 16 and gives
+      garbage (or crashes) otherwise, so the kernel path zero-pads q's columns (and x)
+      to a multiple of 16; :func:`int8_matmul_kernel` refuses any other width.
+    - int4 kernel: the CPU kernel needs ``N`` (out_features) a multiple of 16; the
+      kernel path zero-pads the rows and cuts the output back to ``out_features``.
+    Padding only happens where a size needs it: the default model's sizes need none.
+
 :func:`weight_bytes` counts what a module really stores (each tensor once, tied ones
 once), so tables of bytes against tokens/s are honest.
+
+Judging a quantized copy of the hand-written model (what every quantization lab needs):
+:func:`bytes_read_per_token`, :func:`perplexity` on a fixed text, :func:`tokens_agreed`
+with a baseline's greedy tokens, and :class:`VariantTable`, which measures each
+variant's bytes, perplexity and agreement as it is added and their decode speeds
+together, interleaved. :func:`decode_matmul_seconds` and :func:`predicted_speedup` give
+the prediction a speed-up is checked against: only the matmuls' share of a step shrinks
+with the bytes (Amdahl).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import engine, llama_phases
+from .llama import Llama, RMSNorm, iter_linears
+from .roofline import kv_bytes_per_token
+from .timing import Timing, profile_self_time
+
 INT8_MAX = 127
 INT4_MAX = 15  # 4 bits: levels 0 .. 15
 KERNEL_RTOL = 0.05  # kernel vs reference, relative to the largest output: bf16 rounding passes
 PROBE_ROWS = 256  # the probe compares the first outputs only: cheap even for a 49k-row LM head
+INT8_KERNEL_K_MULTIPLE = 16  # aten._weight_int8pack_mm (CPU) reads K in blocks of 16
+INT4_KERNEL_N_MULTIPLE = 16  # aten._convert_weight_to_int4pack_for_cpu needs N % 16 == 0
 _TINY = 1e-12
+
+
+# ----------------------------------------------------------------------------- padding
+
+
+def padded_width(width: int, multiple: int) -> int:
+    """``width`` rounded up to a multiple of ``multiple``: ``padded_width(344, 32) == 352``."""
+    if width < 1 or multiple < 1:
+        raise ValueError(f"width and multiple must be >= 1, got {width} and {multiple}.")
+    return -(-width // multiple) * multiple
+
+
+def pad_to_multiple(t: Tensor, multiple: int, dim: int = -1) -> Tensor:
+    """``t`` with zeros appended along ``dim`` up to a multiple of ``multiple`` (``t`` itself if none are needed).
+
+    ``pad_to_multiple(w [out, 344], 32)`` is ``[out, 352]``, its last 8 columns zero.
+    """
+    dim = dim % t.dim()
+    extra = padded_width(t.shape[dim], multiple) - t.shape[dim]
+    if not extra:
+        return t
+    return F.pad(t, [0, 0] * (t.dim() - 1 - dim) + [0, extra])
+
+
+def _pad_input(x: Tensor, width: int) -> Tensor:
+    """``x [..., in]`` with zero columns up to ``width`` (a kernel's padded K)."""
+    if x.shape[-1] > width:
+        raise ValueError(f"the input has {x.shape[-1]} features, the weight only {width}.")
+    return F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x
 
 
 # ----------------------------------------------------------------------------- int8
@@ -75,8 +135,16 @@ def int8_matmul_reference(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
 
 
 def int8_matmul_kernel(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
-    """The same product through ``aten._weight_int8pack_mm`` (inputs flattened to 2-D)."""
-    x2 = x.reshape(-1, x.shape[-1])
+    """The same product through ``aten._weight_int8pack_mm`` (inputs flattened to 2-D).
+
+    ``q``'s width must be a multiple of 16 (pad it with :func:`pad_to_multiple`); ``x`` may
+    be narrower (the true ``in_features``) and is zero-padded to match.
+    """
+    if q.shape[1] % INT8_KERNEL_K_MULTIPLE:
+        raise ValueError(f"the int8 kernel needs in_features a multiple of {INT8_KERNEL_K_MULTIPLE} "
+                         f"(got {q.shape[1]}: it would read past the weight); pad q with "
+                         f"pad_to_multiple(q, {INT8_KERNEL_K_MULTIPLE}).")
+    x2 = _pad_input(x.reshape(-1, x.shape[-1]), q.shape[1])
     y = torch.ops.aten._weight_int8pack_mm(x2, q, scale.to(x.dtype))
     return y.reshape(*x.shape[:-1], q.shape[0])
 
@@ -102,47 +170,57 @@ def unpack_int4(packed: Tensor) -> Tensor:
 
 
 def _groups(w: Tensor, group_size: int) -> Tensor:
-    """``w [out, in]`` as ``[out, in / g, g]``; clear error when ``in`` is not a multiple of g."""
-    out_f, in_f = w.shape
-    if in_f % group_size:
-        raise ValueError(f"in_features={in_f} is not a multiple of group_size={group_size}.")
-    return w.reshape(out_f, in_f // group_size, group_size)
+    """``w [out, in]`` zero-padded to ``K_p`` columns (a multiple of g), as ``[out, K_p / g, g]``."""
+    if group_size < 2 or group_size % 2:
+        raise ValueError(f"group_size must be an even number >= 2 (two values per byte), got {group_size}.")
+    w = pad_to_multiple(w, group_size)
+    return w.reshape(w.shape[0], -1, group_size)
 
 
 def quantize_int4_unpacked(w: Tensor, group_size: int = 32) -> tuple[Tensor, Tensor, Tensor]:
-    """Group-wise asymmetric int4, one value per byte: ``(q uint8 [out, in], scales, zeros)``.
+    """Group-wise asymmetric int4, one value per byte: ``(q uint8 [out, K_p], scales, zeros)``.
 
-    ``scales``, ``zeros``: float32 ``[out, in / group_size]``; ``w ≈ (q - zero) * scale``.
+    ``K_p`` = in_features rounded up to a multiple of ``group_size`` (the last group
+    zero-padded when needed); ``scales``, ``zeros``: float32 ``[out, K_p / group_size]``;
+    ``w ≈ ((q - zero) * scale)[:, :in_features]``.
     """
     wg = _groups(w.detach().float(), group_size)
-    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # [out, in/g]
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # [out, K_p/g]
     scales = (hi - lo).clamp(min=_TINY) / INT4_MAX
     zeros = -lo / scales
     q = torch.round((wg - lo[..., None]) / scales[..., None]).clamp(0, INT4_MAX)  # = round(w/s + zero)
-    return q.to(torch.uint8).reshape(w.shape), scales, zeros
+    return q.to(torch.uint8).flatten(1), scales, zeros
 
 
 def quantize_int4(w: Tensor, group_size: int = 32) -> tuple[Tensor, Tensor, Tensor]:
-    """Group-wise int4, packed two per byte: ``(packed uint8 [out, in/2], scales, zeros)``."""
+    """Group-wise int4, packed two per byte: ``(packed uint8 [out, K_p/2], scales, zeros)``."""
     q, scales, zeros = quantize_int4_unpacked(w, group_size)
     return pack_int4(q), scales, zeros
 
 
 def dequantize_int4(packed: Tensor, scales: Tensor, zeros: Tensor, group_size: int = 32,
-                    dtype: torch.dtype = torch.float32) -> Tensor:
-    """``(q - zero) * scale`` group by group, as a float matrix [out, in] in ``dtype``."""
+                    dtype: torch.dtype = torch.float32, in_features: int | None = None) -> Tensor:
+    """``(q - zero) * scale`` group by group: a float matrix ``[out, in_features]`` in ``dtype``.
+
+    Without ``in_features``, the padded width ``K_p`` (padding columns included).
+    """
     q = unpack_int4(packed).float()
     qg = _groups(q, group_size)
-    w = (qg - zeros.float()[..., None]) * scales.float()[..., None]
-    return w.reshape(q.shape).to(dtype)
+    w = ((qg - zeros.float()[..., None]) * scales.float()[..., None]).flatten(1)
+    return w[:, :in_features].to(dtype) if in_features is not None else w.to(dtype)
 
 
 def int4_kernel_pack(q: Tensor, device: torch.device) -> Tensor:
-    """Re-lay unpacked int4 values ``q [N, K]`` for the device's int4 kernel."""
+    """Re-lay unpacked int4 values ``q [N, K]`` for the device's int4 kernel.
+
+    CPU: N a multiple of 16. CUDA (tinygemm): N a multiple of 8 and K of 16 x the inner
+    K tiles, taken as large as K allows (8, 4 or 2: K a multiple of 128, 64 or 32).
+    """
     if device.type == "cpu":
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
     high_first = ((q[:, 0::2].to(torch.uint8) << 4) | q[:, 1::2].to(torch.uint8)).to(device)
-    return torch.ops.aten._convert_weight_to_int4pack(high_first, 8)
+    inner_k_tiles = next((t for t in (8, 4, 2) if q.shape[1] % (16 * t) == 0), 8)
+    return torch.ops.aten._convert_weight_to_int4pack(high_first, inner_k_tiles)
 
 
 def int4_scales_and_zeros(scales: Tensor, zeros: Tensor, dtype: torch.dtype) -> Tensor:
@@ -152,8 +230,12 @@ def int4_scales_and_zeros(scales: Tensor, zeros: Tensor, dtype: torch.dtype) -> 
 
 
 def int4_matmul_kernel(x: Tensor, packed: Tensor, group_size: int, scales_and_zeros: Tensor) -> Tensor:
-    """``x @ W.T`` through the device's int4 kernel (inputs flattened to 2-D)."""
-    x2 = x.reshape(-1, x.shape[-1])
+    """``x @ W.T`` through the device's int4 kernel (inputs flattened to 2-D).
+
+    The weight's width is ``K / g`` groups (``scales_and_zeros.shape[0]``) x g; a narrower
+    ``x`` (the true ``in_features``) is zero-padded to it.
+    """
+    x2 = _pad_input(x.reshape(-1, x.shape[-1]), scales_and_zeros.shape[0] * group_size)
     if x.device.type == "cpu":
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group_size, scales_and_zeros)
     else:
@@ -201,21 +283,25 @@ class Int8Linear(nn.Module):
 
     Buffers: ``q`` int8 [out, in], ``scale`` [out] and ``bias`` (if any) in the
     activation dtype. ``forward`` uses ``aten._weight_int8pack_mm`` when it runs here
-    (``path == "kernel"``), else :func:`int8_matmul_reference`.
+    (``path == "kernel"``; then ``q`` is zero-padded to a multiple of 16 columns where
+    ``in_features`` is not one, see ``padding``), else :func:`int8_matmul_reference`.
     """
 
     def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None,
                  dtype: torch.dtype = torch.float32, use_kernel: bool | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
-        self.register_buffer("q", q)
-        self.register_buffer("scale", scale.to(dtype))
+        scale = scale.to(dtype)
+        self.register_buffer("scale", scale)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+        q_kernel = pad_to_multiple(q, INT8_KERNEL_K_MULTIPLE)
         agrees = (False, "not probed") if use_kernel is False else kernel_agrees(
-            lambda x: int8_matmul_kernel(x, self.q, self.scale),
-            lambda x: int8_matmul_reference(x, self.q[:PROBE_ROWS], self.scale[:PROBE_ROWS]),
+            lambda x: int8_matmul_kernel(x, q_kernel, scale),
+            lambda x: int8_matmul_reference(x, q[:PROBE_ROWS], scale[:PROBE_ROWS]),
             self.in_features, dtype, q.device)
         self.use_kernel, self.kernel_note = _decide_kernel(use_kernel, agrees, "Int8Linear")
+        self.register_buffer("q", q_kernel if self.use_kernel else q)
+        self.padding = _padding_note(q.shape, self.q.shape)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype | None = None,
@@ -230,7 +316,7 @@ class Int8Linear(nn.Module):
 
     def dequantized_weight(self) -> Tensor:
         """The float matrix this layer stands for, [out, in] float32."""
-        return dequantize_int8(self.q, self.scale)
+        return dequantize_int8(self.q[:, : self.in_features], self.scale)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.use_kernel:
@@ -243,44 +329,62 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, path={self.path}"
 
 
+def _padding_note(true_shape: tuple[int, ...], stored_shape: tuple[int, ...]) -> str:
+    """"" when nothing was padded, else e.g. "stored as [128, 352] (zero-padded from [128, 344])"."""
+    if tuple(true_shape) == tuple(stored_shape):
+        return ""
+    return f"stored as {list(stored_shape)} (zero-padded from {list(true_shape)})"
+
+
 class Int4Linear(nn.Module):
     """A linear layer with group-wise int4 weights; same call as nn.Linear.
 
-    Reference path: buffers ``packed`` uint8 [out, in/2] (:func:`pack_int4`), ``scales`` and
-    ``zeros`` [out, in/g], and the weight is de-quantized at every call (slow).
-    Kernel path: ``packed`` holds the kernel's own layout (same bytes) and
-    ``scales_and_zeros`` [in/g, out, 2]. Both keep scales/zeros in the activation dtype.
-    Build it on the device it will run on (the kernel layout is device-specific).
+    Reference path: buffers ``packed`` uint8 [out, K_p/2] (:func:`pack_int4`), ``scales`` and
+    ``zeros`` [out, K_p/g], and the weight is de-quantized at every call (slow), then cut
+    to ``in_features``. Kernel path: ``packed`` holds the kernel's own layout and
+    ``scales_and_zeros`` [K_p/g, N_p, 2], the rows zero-padded to ``N_p``, a multiple of 16
+    (``padding`` says when); the output is cut back to ``out_features``. Both keep
+    scales/zeros in the activation dtype. Build it on the device it will run on.
     """
 
     def __init__(self, q: Tensor, scales: Tensor, zeros: Tensor, group_size: int,
                  bias: Tensor | None = None, dtype: torch.dtype = torch.float32,
-                 use_kernel: bool | None = None) -> None:
-        """``q``: unpacked values [out, in] in [0, 15]; ``scales``, ``zeros``: [out, in/g]."""
+                 use_kernel: bool | None = None, in_features: int | None = None) -> None:
+        """``q``: unpacked values [out, K_p] in [0, 15] (K_p a multiple of ``group_size``);
+        ``scales``, ``zeros``: [out, K_p/g]; ``in_features``: the true width (default K_p)."""
         super().__init__()
-        self.out_features, self.in_features = q.shape
+        self.out_features, width = q.shape
+        self.in_features = in_features or width
+        if width % group_size or scales.shape != (q.shape[0], width // group_size) or self.in_features > width:
+            raise ValueError(f"q {tuple(q.shape)} and scales {tuple(scales.shape)} do not make groups of "
+                             f"{group_size} covering in_features={self.in_features}: use quantize_int4_unpacked.")
         self.group_size, self.dtype = group_size, dtype
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
         scales, zeros = scales.to(dtype), zeros.to(dtype)
-        agrees = (False, "not probed") if use_kernel is False else self._probe(q, scales, zeros)
+        rows = [pad_to_multiple(t, INT4_KERNEL_N_MULTIPLE, dim=0) for t in (q, scales, zeros)]
+        agrees = (False, "not probed") if use_kernel is False else self._probe(q, scales, zeros, *rows)
         self.use_kernel, self.kernel_note = _decide_kernel(use_kernel, agrees, "Int4Linear")
         if self.use_kernel:
-            self.register_buffer("packed", int4_kernel_pack(q, q.device))
-            self.register_buffer("scales_and_zeros", int4_scales_and_zeros(scales, zeros, dtype))
+            self.register_buffer("packed", int4_kernel_pack(rows[0], q.device))
+            self.register_buffer("scales_and_zeros", int4_scales_and_zeros(rows[1], rows[2], dtype))
         else:
             self.register_buffer("packed", pack_int4(q))
             self.register_buffer("scales", scales)
             self.register_buffer("zeros", zeros)
+        self.padding = _padding_note((self.out_features, self.in_features),
+                                     (rows[0] if self.use_kernel else q).shape)
 
-    def _probe(self, q: Tensor, scales: Tensor, zeros: Tensor) -> tuple[bool, str]:
-        """Does the int4 kernel build and agree with the reference for this weight?"""
+    def _probe(self, q: Tensor, scales: Tensor, zeros: Tensor, q_rows: Tensor, scales_rows: Tensor,
+               zeros_rows: Tensor) -> tuple[bool, str]:
+        """Does the int4 kernel build (rows padded to ``N_p``) and agree with the reference?"""
         try:
-            packed = int4_kernel_pack(q, q.device)
+            packed = int4_kernel_pack(q_rows, q.device)
         except (RuntimeError, NotImplementedError, AttributeError) as exc:
             return False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        table = int4_scales_and_zeros(scales, zeros, self.dtype)
+        table = int4_scales_and_zeros(scales_rows, zeros_rows, self.dtype)
         rows = slice(0, PROBE_ROWS)
-        weight = dequantize_int4(pack_int4(q[rows]), scales[rows], zeros[rows], self.group_size, self.dtype)
+        weight = dequantize_int4(pack_int4(q[rows]), scales[rows], zeros[rows], self.group_size, self.dtype,
+                                 self.in_features)
         return kernel_agrees(lambda x: int4_matmul_kernel(x, packed, self.group_size, table),
                              lambda x: F.linear(x, weight), self.in_features, self.dtype, q.device)
 
@@ -289,7 +393,8 @@ class Int4Linear(nn.Module):
                     use_kernel: bool | None = None) -> "Int4Linear":
         """Quantize ``linear``'s weight in groups of ``group_size``; ``dtype``: the activations'."""
         q, scales, zeros = quantize_int4_unpacked(linear.weight, group_size)
-        return cls(q, scales, zeros, group_size, linear.bias, dtype or linear.weight.dtype, use_kernel)
+        return cls(q, scales, zeros, group_size, linear.bias, dtype or linear.weight.dtype, use_kernel,
+                   linear.in_features)
 
     @property
     def path(self) -> str:
@@ -299,13 +404,14 @@ class Int4Linear(nn.Module):
         """The float matrix the reference path uses, [out, in] float32 (reference path only)."""
         if self.use_kernel:
             raise RuntimeError("the kernel layout is opaque: build with use_kernel=False to inspect weights")
-        return dequantize_int4(self.packed, self.scales, self.zeros, self.group_size)
+        return dequantize_int4(self.packed, self.scales, self.zeros, self.group_size, in_features=self.in_features)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.use_kernel:
             y = int4_matmul_kernel(x, self.packed, self.group_size, self.scales_and_zeros)
+            y = y[..., : self.out_features]
         else:
-            w = dequantize_int4(self.packed, self.scales, self.zeros, self.group_size, x.dtype)
+            w = dequantize_int4(self.packed, self.scales, self.zeros, self.group_size, x.dtype, self.in_features)
             y = F.linear(x, w)
         return y if self.bias is None else y + self.bias
 
@@ -344,9 +450,158 @@ def weight_bytes(module: nn.Module) -> int:
     return sum(sizes.values())
 
 
+# ----------------------------------------------------------------------------- judging a quantized model
+
+
+def bytes_read_per_token(model: Llama) -> int:
+    """Weight bytes one decode step reads: every projection (:func:`~utils.llama.iter_linears`) and
+    every RMSNorm, as stored (:func:`weight_bytes`). The input embedding is a lookup (one row a
+    token) and is left out, unless it is tied to the LM head, which is read whole."""
+    linears = sum(weight_bytes(m) for _, m in iter_linears(model))
+    return linears + sum(weight_bytes(m) for m in model.modules() if isinstance(m, RMSNorm))
+
+
+@torch.inference_mode()
+def perplexity(model: Any, ids: Tensor) -> float:
+    """``exp(mean cross-entropy)`` of predicting ``ids[0, 1:]`` from the tokens before each.
+
+    ``model``: a hand-written :class:`~utils.llama.Llama` or a transformers causal LM; ``ids`` [1, T].
+    """
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 2:
+        raise ValueError(f"perplexity needs ids of shape [1, T] with T >= 2, got {tuple(ids.shape)}.")
+    logits = (llama_phases.forward_no_cache(model, ids) if isinstance(model, Llama)
+              else model(ids).logits)  # [1, T, V]
+    nll = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:].to(logits.device))
+    return math.exp(nll.item())
+
+
+def tokens_agreed(a: Sequence[int] | Tensor, b: Sequence[int] | Tensor) -> int:
+    """How many leading tokens two 1-D sequences share before they first differ."""
+    a, b = torch.as_tensor(a).flatten().cpu(), torch.as_tensor(b).flatten().cpu()
+    n = min(len(a), len(b))
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if len(differ) else n
+
+
+@dataclass
+class Variant:
+    """One row of a quantization table: what the copy is, what it reads, how good and fast it is."""
+
+    name: str
+    model: Llama
+    weights: str  # e.g. "int4 g32"
+    activations: str  # e.g. "bf16"
+    path: str  # which matmul runs, e.g. "aten._weight_int8pack_mm"
+    slow: bool  # de-quantizes at every call: timed over fewer tokens
+    bytes: int  # weight bytes read per token (bytes_read_per_token)
+    ppl: float
+    agreed: int  # greedy tokens equal to the baseline's, summed over the prompts
+    of: int
+    timing: Timing | None = None  # seconds per `tokens` decode tokens, one sample per repeat
+    tokens: int = 0
+    kv_bytes: float = 0.0  # KV cache read per token at the timed run's average context
+
+    @property
+    def read(self) -> float:
+        """Bytes one decode step reads: weights plus the KV cache."""
+        return self.bytes + self.kv_bytes
+
+    @property
+    def tok_s(self) -> float:
+        """Median decode speed (nan until measured)."""
+        return self.tokens / self.timing.median if self.timing else float("nan")
+
+    @property
+    def best_tok_s(self) -> float:
+        """Fastest repeat: other load on the machine only ever slows a run down."""
+        return self.tokens / self.timing.min if self.timing else float("nan")
+
+
+class VariantTable:
+    """Quantized copies of one baseline, each measured against it on the same text and prompts.
+
+    ``add`` measures bytes, perplexity on ``eval_ids`` and greedy agreement over
+    ``prompts`` (``n_agree`` tokens each) at once; :meth:`measure_speeds` times every
+    variant's decode together, interleaved, so a busy moment weighs on all alike.
+    """
+
+    def __init__(self, baseline: Llama, eval_ids: Tensor, prompts: Sequence[Tensor], n_agree: int) -> None:
+        self.eval_ids, self.prompts, self.n_agree = eval_ids, list(prompts), n_agree
+        self.baseline_tokens = [engine.generate(baseline, ids, n_agree)[0] for ids in self.prompts]
+        self.rows: dict[str, Variant] = {}
+
+    def add(self, name: str, model: Llama, weights: str, activations: str, path: str,
+            slow: bool = False, show: bool = True) -> Variant:
+        """Measure ``model`` and keep it as row ``name`` (printed in one line unless ``show=False``)."""
+        agreed = sum(tokens_agreed(engine.generate(model, ids, self.n_agree)[0], want)
+                     for ids, want in zip(self.prompts, self.baseline_tokens))
+        row = Variant(name, model, weights, activations, path, slow, bytes_read_per_token(model),
+                      perplexity(model, self.eval_ids), agreed, self.n_agree * len(self.prompts))
+        self.rows[name] = row
+        if show:
+            print(f"{name:34s} {row.bytes / 1e6:8.2f} MB/token  perplexity {row.ppl:9.3f}  "
+                  f"greedy agreement {agreed}/{row.of}")
+        return row
+
+    def measure_speeds(self, ids: Tensor, n_tokens: int, slow_tokens: int, repeats: int,
+                       between: Callable[[], Any] | None = None) -> None:
+        """Decode ``n_tokens`` (``slow_tokens`` for slow rows) after ``ids``, every row once per round.
+
+        Uses :func:`utils.engine.decode_speed` (untimed prefill, then timed greedy steps);
+        ``between`` runs after the warm-up and after each round (e.g. a bandwidth probe).
+        """
+        tokens = {name: slow_tokens if r.slow else n_tokens for name, r in self.rows.items()}
+        for name, r in self.rows.items():  # warm-up: one short untimed run each
+            engine.decode_speed(r.model, ids, 2, repeats=1, warmup=0)
+        samples: dict[str, list[float]] = {name: [] for name in self.rows}
+        for _ in range(repeats):
+            if between is not None:
+                between()
+            for name, r in self.rows.items():
+                result = engine.decode_speed(r.model, ids, tokens[name], repeats=1, warmup=0)
+                samples[name] += result.timing.samples
+        if between is not None:
+            between()
+        for name, r in self.rows.items():
+            a = r.model.args
+            r.timing, r.tokens = Timing(tuple(samples[name])), tokens[name]
+            r.kv_bytes = (kv_bytes_per_token(a.n_layers, a.n_kv_heads, a.head_dim, r.model.dtype.itemsize)
+                          * (ids.shape[-1] + tokens[name] / 2))
+
+
+def decode_matmul_seconds(model: Any, ids: Tensor, n_tokens: int = 4) -> float:
+    """Seconds per decode step spent inside matmul operators (``torch.profiler`` self time, after a warm-up).
+
+    Divide by a step's measured time (without the profiler) for the matmuls' share of the step.
+    """
+    engine.decode_speed(model, ids, n_tokens, repeats=1, warmup=0)
+    cache = engine.new_cache(model, ids.shape[0], ids.shape[-1] + n_tokens)
+    token = engine.prefill(model, cache, ids).argmax(dim=-1)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if model.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        engine.decode_n_tokens(model, cache, token, n_tokens)
+    return profile_self_time(prof, model.device).get("matmul", 0.0) * 1e-6 / n_tokens
+
+
+def predicted_speedup(matmul_share: float, bytes_ratio: float) -> float:
+    """Decode speed-up when only the matmuls' time shrinks with the bytes (Amdahl's law).
+
+    ``matmul_share``: the matmuls' share of the baseline step; ``bytes_ratio``: the
+    variant's weight bytes ÷ the baseline's. ``1 / ((1 - m) + m x r)``: at m = 0.8 and
+    r = 1/6 (fp32 -> int4), 3.0x; at m = 0.3, 1.3x however few the bytes.
+    """
+    if not 0 <= matmul_share <= 1 or bytes_ratio <= 0:
+        raise ValueError(f"need 0 <= matmul_share <= 1 and bytes_ratio > 0, got {matmul_share}, {bytes_ratio}.")
+    return 1 / ((1 - matmul_share) + matmul_share * bytes_ratio)
+
+
 __all__ = [
     "quantize_int8", "dequantize_int8", "int8_matmul_reference", "int8_matmul_kernel",
     "pack_int4", "unpack_int4", "quantize_int4", "quantize_int4_unpacked", "dequantize_int4",
     "int4_kernel_pack", "int4_scales_and_zeros", "int4_matmul_kernel", "kernel_agrees",
-    "Int8Linear", "Int4Linear", "weight_bytes",
+    "Int8Linear", "Int4Linear", "weight_bytes", "padded_width", "pad_to_multiple",
+    "bytes_read_per_token", "perplexity", "tokens_agreed", "Variant", "VariantTable",
+    "decode_matmul_seconds", "predicted_speedup",
 ]

@@ -218,8 +218,10 @@ def speed_follows_bytes(names: Sequence[str], bytes_per_token: Sequence[float], 
     fit = (f"Fit over the {len(names)} variants: step ≈ {max(floor, 0.0) * 1e3:.2f} ms + bytes ÷ "
            f"{1 / per_byte / 1e9:.1f} GB/s; the fixed part is {floor_share:.0%} of the {names[small]} step.")
     if floor_share >= 0.5:
-        return (f"{head} {fit} Fewer bytes made decode faster down to the smallest variant, where the fixed floor "
-                "takes most of the step: fewer bytes still would barely help; removing the floor would.")
+        gain = 1 / (floor_share + (1 - floor_share) / 2)  # halving the smallest variant's bytes again
+        return (f"{head} {fit} Fewer bytes made decode faster down to {names[small]}, where the fixed floor is "
+                f"most of the step: halving its bytes again would gain at most {gain:.2f}x; removing the floor "
+                "would gain more.")
     return (f"{head} {fit} Decode is limited by the matmul kernels' effective bandwidth and its time still "
             "scales with the bytes read; only a fixed floor remains beside it.")
 
