@@ -139,3 +139,16 @@ def prefill(model: Any, cache: HFCache, input_ids: Tensor, attention_mask: Tenso
 def decode_one_token(model: Any, cache: HFCache, token: Tensor) -> Tensor:
     """One forward pass for one new token per row ([B] or [B, 1]); logits [B, V]."""
     return extend(model, cache, token.view(-1, 1))[:, -1]
+
+
+def kv_tensors(cache: HFCache | Any) -> list[tuple[Tensor, Tensor]]:
+    """(keys, values) of every layer, each ``[batch, kv_heads, tokens, head_dim]``: what the cache stores.
+
+    Takes an :class:`HFCache` or transformers' own cache object (the 5.x layer objects
+    with ``.keys`` / ``.values``, or the older ``key_cache`` / ``value_cache`` lists), so
+    a chapter can count the bytes a prefill really left behind.
+    """
+    kv = cache.kv if isinstance(cache, HFCache) else cache
+    if hasattr(kv, "layers"):
+        return [(layer.keys, layer.values) for layer in kv.layers]
+    return list(zip(kv.key_cache, kv.value_cache))
