@@ -18,7 +18,8 @@ modules listed before it (``tests/test_layering.py`` checks it).
 - ``engine``        one request engine over either backend: generate, stream, time each phase
 - ``meter``         a per-request log line in the style of an inference engine, and its diagnosis
 - ``verdicts``      conclusions computed from this run's numbers (which is faster, what bounds decode)
-- ``quant``         weight-only int8 / int4 quantization (reference and PyTorch kernels)
+- ``quant``         weight-only int8 / int4 quantization (reference and PyTorch kernels), any layer width
+- ``variants``      judging a model variant against its baseline: bytes, perplexity, agreement, speed-up
 - ``checks``        the labs' check functions: a verdict that says what is wrong
 - ``chapter``       the first cell of every chapter: load the model, print the setup
 - ``bench``         the reference benchmark (``make bench``; last line JSON)
@@ -34,6 +35,6 @@ for _name in ("torchao", "torch.utils._pytree"):
 __version__ = "0.1.0"
 
 MODULE_ORDER = ("errors", "device", "timing", "roofline", "hardware", "plotting", "tokens", "sampling",
-                "models", "llama", "phases", "llama_phases", "engine", "meter", "verdicts", "quant", "checks",
+                "models", "llama", "phases", "llama_phases", "engine", "meter", "verdicts", "quant", "variants", "checks",
                 "chapter", "bench")
 """The package's modules, bottom to top: each imports only modules before it."""
