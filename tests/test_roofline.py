@@ -273,3 +273,10 @@ def test_ceiling_speeds_rejects_bad_input():
         rl.ceiling_speeds(8e9, 2, 0, 3.35e12)
     with pytest.raises(WorkbookError):
         rl.ceiling_speeds(8e9, 2, 989e12, 3.35e12, bytes_read_per_token=-1)
+
+
+def test_reference_model_shapes():
+    assert rl.LLAMA3_8B.kv_bytes_per_token(2) == 131_072  # 128 KiB per token in bf16
+    assert 14.9e9 < rl.LLAMA3_8B.weight_bytes_read_per_token(2) < 15.1e9  # untied: ~15.0 of 16.06 GB read
+    assert rl.LLAMA3_70B.kv_bytes_per_token(2) == 327_680  # 320 KiB per token
+    assert rl.LLAMA3_70B.n_params * 2 > 141e9  # the real 70B's bf16 weights exceed an H200's 141 GB

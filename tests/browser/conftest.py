@@ -106,7 +106,8 @@ def page(lab_url, request):
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
         try:
             pg = browser.new_page(viewport={"width": 1400, "height": 1000})
-            pg.goto(f"{lab_url}/lab?token={TOKEN}")
+            # a workspace of its own, reset: no layout or file-browser folder left from another test
+            pg.goto(f"{lab_url}/lab/workspaces/{request.node.name}?reset&token={TOKEN}")
             pg.wait_for_selector(".jp-DirListing-content", timeout=60_000)
             yield pg
             pg.screenshot(path=str(SHOTS / f"{request.node.name}.png"))
