@@ -19,3 +19,12 @@ def test_random_weights_are_announced():
     test_lm = models.load_model(str(models.prepare_test_model(verbose=False)), device="cpu")
     lines = chapter.describe_setup(test_lm, describe_machine(test_lm.device))
     assert lines[-1].startswith("NOTE") and "text is meaningless" in lines[-1]
+
+
+def test_fit_to_context_drops_and_says_why(capsys):
+    assert chapter.fit_to_context([16, 64, 256], 8192) == [16, 64, 256]
+    assert capsys.readouterr().out == ""
+    assert chapter.fit_to_context([32, 512, 1024], 512, new_tokens=8, what="contexts", add_longest=True) == [32, 504]
+    out = capsys.readouterr().out
+    assert "dropped contexts [512, 1024]: with 8 new tokens after them" in out and "added 504" in out
+    assert chapter.fit_to_context([0, 512, 4096], 512, new_tokens=1) == [0]

@@ -42,3 +42,23 @@ def setup_chapter(name: str | None = None, device: str | None = None,
     machine = describe_machine(lm.device)
     print("\n".join(describe_setup(lm, machine)))
     return lm, machine
+
+
+def fit_to_context(points: list[int], max_context: int, new_tokens: int = 0, what: str = "points",
+                   add_longest: bool = False) -> list[int]:
+    """The grid ``points`` (prompt or context lengths) that fit the model's context, with
+    ``new_tokens`` decoded after each; the dropped ones are printed with the reason.
+
+    ``add_longest`` appends the longest length that still fits when something was dropped,
+    so that a small model's grid still reaches its own limit.
+    """
+    room = max_context - new_tokens
+    kept = [p for p in points if p <= room]
+    dropped = [p for p in points if p > room]
+    if dropped:
+        after = f" with {new_tokens} new tokens after them" if new_tokens else ""
+        print(f"dropped {what} {dropped}:{after} longer than the model's {max_context:,}-token context")
+        if add_longest and room > 0 and (not kept or kept[-1] < room):
+            kept.append(room)
+            print(f"added {room:,}: the longest that fits")
+    return kept
