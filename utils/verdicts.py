@@ -13,6 +13,8 @@ shared 2-core machine is noise.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from .errors import check_number
 
 TIE = 0.10
@@ -26,7 +28,7 @@ def compare_speeds(name_a: str, a: float, name_b: str, b: float, *, unit: str = 
     hi_name, hi, lo_name, lo = (name_a, a, name_b, b) if a >= b else (name_b, b, name_a, a)
     numbers = f"({name_a} {a:,.1f} vs {name_b} {b:,.1f} {unit})"
     if hi / lo - 1 < tie:
-        return f"{name_a} and {name_b} {what} at about the same speed on this machine {numbers}."
+        return f"{name_a} {what} at about the same speed as {name_b} on this machine {numbers}."
     return f"{hi_name} {what} {hi / lo:.2f}x faster than {lo_name} on this machine {numbers}."
 
 
@@ -167,7 +169,6 @@ def gap_explained(what: str, measured: float, base: float, with_term: float, ter
     return (f"{head}. {term[0].upper() + term[1:]} closes {share:.0%} of the gap; the rest is a cost the model "
             "leaves out (e.g. kernels running below the probed FLOP/s or bandwidth).")
 
-from typing import Sequence  # used by the functions below (this block is appended to the module)
 
 def fit_step_time(bytes_per_token: Sequence[float], tok_s: Sequence[float]) -> tuple[float, float]:
     """Least-squares line through (bytes read per token, seconds per token) of several variants.
