@@ -99,18 +99,23 @@ def _forward(model: Any, cache: HFCache, tokens: Tensor, last_only: bool) -> Ten
     return out.logits
 
 
-@torch.inference_mode()
-def extend(model: Any, cache: HFCache, tokens: Tensor, last_only: bool = False) -> Tensor:
-    """Append ``tokens`` [B, T] after what ``cache`` holds; logits [B, T, V] (or [B, 1, V])."""
+def _append(model: Any, cache: HFCache, tokens: Tensor, last_only: bool) -> Tensor:
+    """Run ``tokens`` [B, T] after what ``cache`` holds (ids already known to be in the vocabulary)."""
     T = tokens.shape[1]
     if cache.length + T > cache.max_len:
         raise PromptTooLongError(
             f"The cache holds {cache.max_len} tokens: {cache.length} are filled and {T} more were given "
             f"({cache.length + T} in all). Make a larger cache (new_cache(model, batch, max_len)).")
-    check_token_ids(tokens, model.config.vocab_size)
     if cache.mask is not None:
         cache.mask = torch.cat([cache.mask, cache.mask.new_ones(cache.mask.shape[0], T)], dim=1)
     return _forward(model, cache, tokens, last_only)
+
+
+@torch.inference_mode()
+def extend(model: Any, cache: HFCache, tokens: Tensor, last_only: bool = False) -> Tensor:
+    """Append ``tokens`` [B, T] after what ``cache`` holds; logits [B, T, V] (or [B, 1, V])."""
+    check_token_ids(tokens, model.config.vocab_size)
+    return _append(model, cache, tokens, last_only)
 
 
 @torch.inference_mode()
@@ -137,8 +142,12 @@ def prefill(model: Any, cache: HFCache, input_ids: Tensor, attention_mask: Tenso
 
 @torch.inference_mode()
 def decode_one_token(model: Any, cache: HFCache, token: Tensor) -> Tensor:
-    """One forward pass for one new token per row ([B] or [B, 1]); logits [B, V]."""
-    return extend(model, cache, token.view(-1, 1))[:, -1]
+    """One forward pass for one new token per row ([B] or [B, 1]); logits [B, V].
+
+    The token comes from the model's own sampling, so its id is not checked here: that
+    check reads a value back from the device, a sync in the hot loop.
+    """
+    return _append(model, cache, token.view(-1, 1), last_only=False)[:, -1]
 
 
 def kv_tensors(cache: HFCache | Any) -> list[tuple[Tensor, Tensor]]:
