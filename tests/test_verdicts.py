@@ -145,3 +145,9 @@ def test_decode_bound_never_calls_a_faster_stream_slow(share, matmul_share, matm
     assert expect in s
     if matmul_GBps >= probe_GBps:
         assert "stream only" not in s
+
+
+def test_decode_bound_says_above_only_when_above():
+    below = V.decode_bound(0.49, 0.79, 25.8, 27.9)  # this machine's run: 92% of the probe
+    assert "92% of the 27.9 GB/s probed" in below and "above" not in below
+    assert "above the 22.2 GB/s probed" in V.decode_bound(0.59, 0.76, 26.2, 22.2)

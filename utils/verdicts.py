@@ -236,7 +236,12 @@ def decode_bound(share_of_ceiling: float, matmul_share_of_step: float, matmul_GB
     """
     if matmul_GBps < at_probe * check_number(probe_GBps, "probe_GBps", "GB/s") or share_of_ceiling >= 0.7:
         return decode_limit(share_of_ceiling, matmul_share_of_step, matmul_GBps, probe_GBps)
-    return (f"Decode reaches {share_of_ceiling:.0%} of the ceiling. The matmuls stream {matmul_GBps:.1f} GB/s, at or "
-            f"above the {probe_GBps:.1f} GB/s probed: they run at the memory's speed (the probe under-reads it), "
-            f"so what keeps decode from the ceiling is the rest of the step ({1 - matmul_share_of_step:.0%} of it "
-            "in the profile): per-operator overhead, attention, the cache update.")
+    if matmul_GBps >= probe_GBps:
+        rate = (f"above the {probe_GBps:.1f} GB/s probed: they run at the memory's speed (the probe "
+                "under-reads it)")
+    else:
+        rate = (f"{matmul_GBps / probe_GBps:.0%} of the {probe_GBps:.1f} GB/s probed: they run at about "
+                "the memory's speed")
+    return (f"Decode reaches {share_of_ceiling:.0%} of the ceiling. The matmuls stream {matmul_GBps:.1f} GB/s, "
+            f"{rate}, so what keeps decode from the ceiling is the rest of the step "
+            f"({1 - matmul_share_of_step:.0%} of it in the profile): per-operator overhead, attention, the cache update.")
