@@ -280,3 +280,14 @@ def test_reference_model_shapes():
     assert 14.9e9 < rl.LLAMA3_8B.weight_bytes_read_per_token(2) < 15.1e9  # untied: ~15.0 of 16.06 GB read
     assert rl.LLAMA3_70B.kv_bytes_per_token(2) == 327_680  # 320 KiB per token
     assert rl.LLAMA3_70B.n_params * 2 > 141e9  # the real 70B's bf16 weights exceed an H200's 141 GB
+
+
+def test_max_sequences_is_memory_over_kv_per_sequence():
+    from utils.roofline import kv_bytes_per_token, max_sequences
+
+    kv = kv_bytes_per_token(32, 8, 128, 2)  # Llama 3 8B, bf16: 128 KiB per token
+    assert max_sequences(80e9, 16e9, kv, 32_768) == 13  # (72 - 16) GB / 4 GiB
+    assert max_sequences(80e9, 16e9, kv, 4_096) == int((72e9 - 16e9) // (kv * 4096))
+    assert max_sequences(80e9, 16e9, kv, 10**7) == 0
+    with pytest.raises(OutOfMemoryError):
+        max_sequences(16e9, 16e9, kv, 4_096)

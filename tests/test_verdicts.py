@@ -151,3 +151,16 @@ def test_decode_bound_says_above_only_when_above():
     below = V.decode_bound(0.49, 0.79, 25.8, 27.9)  # this machine's run: 92% of the probe
     assert "92% of the 27.9 GB/s probed" in below and "above" not in below
     assert "above the 22.2 GB/s probed" in V.decode_bound(0.59, 0.76, 26.2, 22.2)
+
+
+def test_ridge_from_curve_finds_the_knee_or_says_beyond():
+    from utils.verdicts import batch_curve_verdict, ridge_from_curve
+
+    batches = [1, 2, 4, 8, 16, 32, 64]
+    step = [max(0.040, 0.005 * b) for b in batches]  # flat until batch 8, then 5 ms per sequence
+    assert ridge_from_curve(batches, step) == pytest.approx(8.0)
+    assert ridge_from_curve([1, 2, 4], [0.04, 0.041, 0.043]) is None
+    assert "beyond batch 4" in batch_curve_verdict([1, 2, 4], [0.04, 0.041, 0.043], 30)
+    assert "bent at batch ~8" in batch_curve_verdict(batches, step, 8.0)
+    with pytest.raises(ValueError):
+        ridge_from_curve([2, 4], [0.1, 0.2])

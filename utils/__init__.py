@@ -4,6 +4,7 @@ One module per concept, from the bottom of the dependency order up: a module imp
 modules listed before it (``tests/test_layering.py`` checks it).
 
 - ``errors``        the clear errors raised on bad input, and the one validator of counts and sizes
+- ``results``       the figures a run measured: ``record()`` for the notebooks, the results schema, load
 - ``device``        device and dtype policy; device memory and whether something fits
 - ``timing``        warm-up, repeats, median and spread, noise flagged; interleaved A/B; profiles
 - ``roofline``      the arithmetic: ceilings, intensity, attention FLOPs, KV bytes, time and price
@@ -16,6 +17,7 @@ modules listed before it (``tests/test_layering.py`` checks it).
 - ``phases``        prefill / decode / extend through transformers (one backend)
 - ``llama_phases``  prefill / decode / extend through the hand-written model (the other backend)
 - ``engine``        one request engine over either backend: generate, stream, time each phase
+- ``batching``      many requests at once: static batches, a continuous scheduler, chunked prefill
 - ``meter``         a per-request log line in the style of an inference engine, and its diagnosis
 - ``verdicts``      conclusions computed from this run's numbers (which is faster, what bounds decode)
 - ``quant``         weight-only int8 / int4 quantization (reference and PyTorch kernels), any layer width
@@ -23,6 +25,7 @@ modules listed before it (``tests/test_layering.py`` checks it).
 - ``checks``        the labs' check functions: a verdict that says what is wrong
 - ``chapter``       the first cell of every chapter: load the model, print the setup
 - ``bench``         the reference benchmark (``make bench``; last line JSON)
+- ``report``        the reference report: run every notebook, write HTML, results.json, index.html; compare
 """
 
 import logging as _logging
@@ -34,7 +37,7 @@ for _name in ("torchao", "torch.utils._pytree"):
 
 __version__ = "0.1.0"
 
-MODULE_ORDER = ("errors", "device", "timing", "roofline", "hardware", "plotting", "tokens", "sampling",
-                "models", "llama", "phases", "llama_phases", "engine", "meter", "verdicts", "quant", "variants", "checks",
-                "chapter", "bench")
+MODULE_ORDER = ("errors", "results", "device", "timing", "roofline", "hardware", "plotting", "tokens", "sampling",
+                "models", "llama", "phases", "llama_phases", "engine", "batching", "meter", "verdicts", "quant", "variants", "checks",
+                "chapter", "bench", "report")
 """The package's modules, bottom to top: each imports only modules before it."""

@@ -164,3 +164,35 @@ def check_true(name: str, condition: Any, message: str = "the condition does not
     if not bool(condition):
         fail(name, message)
     passed(name)
+
+
+def _first_difference(got: Sequence[Any], want: Sequence[Any]) -> int:
+    return next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
+
+
+def check_served(name: str, served: Sequence[Any], trace: Sequence[Any], reference: dict[int, list[int]]) -> None:
+    """A scheduler's answer: every request of ``trace`` served exactly once, in trace order, with the
+    tokens it makes when run alone (``reference[id]``), at times that make sense.
+
+    ``served``: objects with ``request`` (``id``, ``arrival_s``), ``start_s``, ``tokens`` and ``token_s``
+    (e.g. :class:`utils.batching.Served`).
+    """
+    got, want = [s.request.id for s in served], [r.id for r in trace]
+    if sorted(got) != sorted(want):
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        twice = sorted({i for i in got if got.count(i) > 1})
+        fail(name, f"requests missing {missing}, unknown {extra}, served twice {twice}.")
+    if got != want:
+        fail(name, f"requests come back in the order {got}; return them in the trace's order {want}.")
+    for s in served:
+        ref, rid = reference[s.request.id], s.request.id
+        if list(s.tokens) != list(ref):
+            i = _first_difference(s.tokens, ref)
+            fail(name, f"request {rid}: {len(s.tokens)} tokens where running it alone gives {len(ref)}; "
+                       f"first difference at token {i} (got {list(s.tokens)[i:i + 3]}, alone {list(ref)[i:i + 3]}).")
+        times = [s.request.arrival_s, s.start_s, *s.token_s]
+        if len(s.token_s) != len(s.tokens) or any(b < a for a, b in zip(times, times[1:])):
+            fail(name, f"request {rid}: times out of order (arrival {s.request.arrival_s:.3f} s, start "
+                       f"{s.start_s:.3f} s, tokens at {[round(t, 3) for t in s.token_s[:4]]}...); a request "
+                       "starts after it arrives and each token comes after the one before.")
+    passed(name, f"{len(served)} requests, {sum(len(s.tokens) for s in served)} tokens, each as when alone")

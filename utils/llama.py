@@ -180,7 +180,7 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor,
                 kv: tuple[Tensor, Tensor], slots: Tensor) -> Tensor:
-        """x [B, T, dim]; kv: this layer's cache [B, Hkv, max_len, D]; slots [T]."""
+        """x [B, T, dim]; kv: this layer's cache [B, Hkv, max_len, D]; slots [T] or [B, T]."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
@@ -189,8 +189,13 @@ class Attention(nn.Module):
         v = v.view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_cache, v_cache = kv
-        k_cache.index_copy_(2, slots, k)  # write the new keys at their positions
-        v_cache.index_copy_(2, slots, v)
+        if slots.dim() == 1:  # every row writes at the same positions (left-padded batch)
+            k_cache.index_copy_(2, slots, k)
+            v_cache.index_copy_(2, slots, v)
+        else:  # each row at its own positions (continuous batching): slots [B, T]
+            where = slots[:, None, :, None].expand(B, Hkv, T, D)
+            k_cache.scatter_(2, where, k)
+            v_cache.scatter_(2, where, v)
         S = mask.shape[-1]  # attend to the first S slots only (the filled ones, in eager)
         y = attention(q, k_cache[:, :, :S], v_cache[:, :, :S], mask)  # [B, H, T, D]
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
@@ -279,18 +284,35 @@ class KVCache(nn.Module):
         A token at slot q sees slot k if ``k <= q`` (causal), k holds a real token (not
         padding) and, with a sliding window, ``q - k < window``. It always sees itself,
         so that a padding query never has an all-masked row (softmax of nothing = NaN).
+        ``slots`` is [T] (the same for every row) or [B, T] (each row its own).
         """
         k_slot = torch.arange(kv_len, device=slots.device)  # [S]
-        q_slot = slots[:, None]  # [T, 1]
-        allowed = k_slot <= q_slot  # [T, S]
+        q_slot = slots[..., None]  # [T, 1] or [B, T, 1]
+        allowed = k_slot <= q_slot  # [T, S] or [B, T, S]
         if window is not None:
             allowed = allowed & (q_slot - k_slot < window)
-        allowed = allowed[None] & self.valid[:, None, :kv_len]  # [B, T, S]
+        allowed = allowed & self.valid[:, None, :kv_len]  # [B, T, S]
         return (allowed | (k_slot == q_slot))[:, None]  # [B, 1, T, S]
 
     def positions(self, slots: Tensor) -> Tensor:
-        """RoPE positions of the tokens at ``slots`` [T]: counted from each row's first real token."""
-        return (slots[None, :] - self.n_pad[:, None]).clamp(min=0)  # [B, T]
+        """RoPE positions of the tokens at ``slots`` ([T] or [B, T]): counted from each row's first real token."""
+        per_row = slots if slots.dim() == 2 else slots[None, :]  # [B or 1, T]
+        return (per_row - self.n_pad[:, None]).clamp(min=0)  # [B, T]
+
+    def rows(self, start: int, stop: int) -> "KVCache":
+        """Rows ``start:stop`` as a cache of their own that SHARES this one's memory.
+
+        Writing into the view writes into these rows: a scheduler prefills one request
+        into its row, or decodes only the rows in use. ``length`` starts at 0.
+        """
+        view = KVCache.__new__(KVCache)
+        nn.Module.__init__(view)
+        for name in ("k", "v"):
+            view.register_buffer(name, getattr(self, name)[:, start:stop], persistent=False)
+        for name in ("valid", "n_pad"):
+            view.register_buffer(name, getattr(self, name)[start:stop], persistent=False)
+        view.length, view.static = 0, self.static
+        return view
 
 
 # ----------------------------------------------------------------------------- the model
@@ -347,9 +369,11 @@ class Llama(nn.Module):
 
     def forward(self, tokens: Tensor, slots: Tensor, cache: KVCache, kv_len: int,
                 last_only: bool = False) -> Tensor:
-        """One step: tokens [B, T] at cache ``slots`` [T] -> logits [B, T, V] ([B, 1, V] if last_only).
+        """One step: tokens [B, T] at cache ``slots`` -> logits [B, T, V] ([B, 1, V] if last_only).
 
-        Writes the tokens' K/V into ``cache`` and attends to its first ``kv_len`` slots.
+        ``slots`` is [T] (every row at the same positions) or [B, T] (each row at its own:
+        requests that started at different times). Writes the tokens' K/V into ``cache``
+        and attends to its first ``kv_len`` slots.
         """
         x = self.embed(tokens)  # [B, T, dim]
         rope = self.rope(cache.positions(slots), x.dtype)  # cos, sin: [B, T, head_dim]

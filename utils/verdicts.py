@@ -245,3 +245,32 @@ def decode_bound(share_of_ceiling: float, matmul_share_of_step: float, matmul_GB
     return (f"Decode reaches {share_of_ceiling:.0%} of the ceiling. The matmuls stream {matmul_GBps:.1f} GB/s, "
             f"{rate}, so what keeps decode from the ceiling is the rest of the step "
             f"({1 - matmul_share_of_step:.0%} of it in the profile): per-operator overhead, attention, the cache update.")
+
+
+def ridge_from_curve(batches: Sequence[int], step_s: Sequence[float], *, rise: float = 1.5) -> float | None:
+    """Where a measured decode step stops being flat in the batch: the knee of ``t(B) ≈ max(t1, B x c)``.
+
+    ``t1`` is the batch-1 step; ``c`` (seconds per sequence once compute dominates) is the median
+    of ``t(B) / B`` over the points whose step is more than ``rise`` x ``t1``. The knee is
+    ``t1 / c``. None when no point rose that far: the ridge lies beyond the largest batch measured.
+    """
+    pairs = sorted(zip(batches, (check_number(t, "step_s", "seconds") for t in step_s)))
+    if len(pairs) < 2 or pairs[0][0] != 1:
+        raise ValueError("ridge_from_curve needs the batch-1 step and at least one larger batch.")
+    t1 = pairs[0][1]
+    per_seq = sorted(t / b for b, t in pairs if t > rise * t1)
+    if not per_seq:
+        return None
+    return t1 / per_seq[len(per_seq) // 2]
+
+
+def batch_curve_verdict(batches: Sequence[int], step_s: Sequence[float], predicted_ridge: float) -> str:
+    """The sentence on a batch curve: how flat the step stayed and where it bent, against the roofline."""
+    measured = ridge_from_curve(batches, step_s)
+    b_max, growth = max(batches), step_s[list(batches).index(max(batches))] / step_s[list(batches).index(1)]
+    flat = f"from batch 1 to {b_max} the step grew {growth:.1f}x while the tokens per step grew {b_max}x"
+    if measured is None:
+        return (f"{flat}: it never rose {1.5:.1f}x above batch 1, so the ridge lies beyond batch {b_max} "
+                f"(the roofline predicts {predicted_ridge:,.0f}).")
+    return (f"{flat}, and bent at batch ~{measured:,.0f} (the knee of the measured curve). "
+            + measured_vs_predicted("Ridge batch", measured, predicted_ridge))
