@@ -179,8 +179,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor,
-                kv: tuple[Tensor, Tensor], slots: Tensor) -> Tensor:
-        """x [B, T, dim]; kv: this layer's cache [B, Hkv, max_len, D]; slots [T] or [B, T]."""
+                cache: "KVCache", layer: int, slots: Tensor) -> Tensor:
+        """x [B, T, dim]; ``cache`` stores this layer's new K/V at ``slots`` ([T] or [B, T]) and
+        hands back the first ``S = mask.shape[-1]`` positions of each row."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
@@ -188,16 +189,8 @@ class Attention(nn.Module):
         k = k.view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
         v = v.view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        k_cache, v_cache = kv
-        if slots.dim() == 1:  # every row writes at the same positions (left-padded batch)
-            k_cache.index_copy_(2, slots, k)
-            v_cache.index_copy_(2, slots, v)
-        else:  # each row at its own positions (continuous batching): slots [B, T]
-            where = slots[:, None, :, None].expand(B, Hkv, T, D)
-            k_cache.scatter_(2, where, k)
-            v_cache.scatter_(2, where, v)
-        S = mask.shape[-1]  # attend to the first S slots only (the filled ones, in eager)
-        y = attention(q, k_cache[:, :, :S], v_cache[:, :, :S], mask)  # [B, H, T, D]
+        k_all, v_all = cache.update(layer, k, v, slots, mask.shape[-1])  # [B, Hkv, S, D] each
+        y = attention(q, k_all, v_all, mask)  # [B, H, T, D]
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
 
 
@@ -225,8 +218,8 @@ class Block(nn.Module):
         self.mlp = MLP(args)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor,
-                kv: tuple[Tensor, Tensor], slots: Tensor) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, mask, kv, slots)
+                cache: "KVCache", layer: int, slots: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, mask, cache, layer, slots)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -277,6 +270,23 @@ class KVCache(nn.Module):
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         """Layer ``i``'s (k, v), each [batch, n_kv_heads, max_len, head_dim] (views)."""
         return self.k[i], self.v[i]
+
+    def update(self, i: int, k: Tensor, v: Tensor, slots: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
+        """Write layer ``i``'s new keys and values (k, v: [B, Hkv, T, D]) at ``slots``; return the
+        first ``kv_len`` slots of every row, [B, Hkv, kv_len, D] each (what attention reads).
+
+        ``slots`` [T]: every row at the same positions (a left-padded batch); [B, T]: each row
+        at its own (requests that started at different times).
+        """
+        k_cache, v_cache = self.layer(i)
+        if slots.dim() == 1:
+            k_cache.index_copy_(2, slots, k)
+            v_cache.index_copy_(2, slots, v)
+        else:
+            where = slots[:, None, :, None].expand(k.shape)
+            k_cache.scatter_(2, where, k)
+            v_cache.scatter_(2, where, v)
+        return k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
 
     def mask(self, slots: Tensor, kv_len: int, window: int | None = None) -> Tensor:
         """Which of the first ``kv_len`` slots each new token may attend to: [B, 1, T, kv_len].
@@ -379,7 +389,7 @@ class Llama(nn.Module):
         rope = self.rope(cache.positions(slots), x.dtype)  # cos, sin: [B, T, head_dim]
         masks = {w: cache.mask(slots, kv_len, w) for w in {b.attn.window for b in self.layers}}
         for i, block in enumerate(self.layers):
-            x = block(x, rope, masks[block.attn.window], cache.layer(i), slots)
+            x = block(x, rope, masks[block.attn.window], cache, i, slots)
         if last_only:
             x = x[:, -1:]  # prefill needs only the next token: skip T-1 rows of the LM head
         return self.lm_head(self.norm(x))  # [B, T, vocab]
