@@ -12,7 +12,7 @@ ROOT_FLAG := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 # Upper bound for the whole test step; CI allows 90 minutes.
 TEST_TIMEOUT ?= 3000  # the first pass; the test-model pass gets 1500 s
 
-.PHONY: setup model lab test unit notebooks notebooks-test-model browser-test bench labs check-labs clean
+.PHONY: setup model lab test unit notebooks notebooks-test-model browser-test bench report compare labs check-labs clean
 
 setup: $(STAMP) model
 
@@ -37,12 +37,16 @@ lab: setup
 # plots may differ, a failing assert still fails). WORKBOOK_QUICK=1 picks the
 # short measurement settings; learners get the full ones by default. Then every
 # chapter and lab again on the awkward test model: another model is one setting away.
+# make test also writes a quick report on the test model and validates its results.json.
+CI_REPORT := $(CURDIR)/reports/ci-quick-test-model
 NBVAL := --nbval-lax --nbval-current-env --nbval-cell-timeout=900 -p no:cacheprovider
 TEST_MODEL := $(CURDIR)/.cache/models/workbook-test-llama
 
 test: setup
 	WORKBOOK_QUICK=1 timeout $(TEST_TIMEOUT) $(PY) -m pytest tests notebooks solutions -m "not browser" $(NBVAL)
 	WORKBOOK_QUICK=1 WORKBOOK_MODEL=$(TEST_MODEL) timeout 1500 $(PY) -m pytest notebooks solutions $(NBVAL)
+	WORKBOOK_MODEL=$(TEST_MODEL) timeout 900 $(PY) -m utils.report run --quick --out $(CI_REPORT)
+	$(PY) -m utils.report validate $(CI_REPORT)/results.json
 	$(MAKE) --no-print-directory browser-test
 
 # JupyterLab in headless Chromium, as a learner sees it (chapter 02, a lab stub, 06's
@@ -64,6 +68,18 @@ notebooks: setup
 # Reference benchmark: prefill and decode of the configured model, last line JSON.
 bench: setup
 	$(PY) -m utils.bench
+
+# The reference report: every chapter and solved lab executed on this machine, written to
+# reports/<machine-id>/ (each notebook as HTML, results.json, index.html). The learner's full
+# settings by default; `make report QUICK=1` for CI's short ones.
+report: setup
+	$(PY) -m utils.report run $(if $(filter-out 0,$(QUICK)),--quick)
+
+# Line up reports from many machines: every reports/*/results.json, or REPORTS="a.json b.json".
+REPORTS ?= $(wildcard reports/*/results.json)
+compare: setup
+	@test -n "$(strip $(REPORTS))" || { echo "no reports/*/results.json: run make report, or pass REPORTS=..."; exit 1; }
+	$(PY) -m utils.report compare $(REPORTS)
 
 # Regenerate the exercise stubs in labs/ from solutions/.
 labs: setup

@@ -5,7 +5,9 @@
 
 prints the device, dtype, threads, versions and model (and says when the model's
 weights are random, so its text means nothing), and returns the loaded model and
-the machine description every result should be recorded with.
+the machine description every result should be recorded with. The machine, model and
+settings are also published through :func:`utils.results.record_setup` (kept only when the
+report runner asks for them).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 from .device import dtype_name
 from .hardware import describe_machine
 from .models import LoadedModel, load_model
+from .results import record_setup
 from .timing import quick
 
 
@@ -41,6 +44,8 @@ def setup_chapter(name: str | None = None, device: str | None = None,
     lm = load_model(name, device, dtype)
     machine = describe_machine(lm.device)
     print("\n".join(describe_setup(lm, machine)))
+    record_setup(machine, lm.spec.as_dict(), {"model": lm.name, "device": str(lm.device), "dtype": dtype_name(lm.dtype),
+                                              "quick": quick(), "random_weights": lm.random_weights})
     return lm, machine
 
 
