@@ -7,6 +7,10 @@ assert) with a message that says what was expected, what was got, and where they
 differ. They accept torch tensors (any dtype or device), numpy arrays, Python numbers
 and nested lists of numbers.
 
+The speculative-decoding lab's checks (:func:`check_greedy_acceptance`, :func:`check_sampling_rule`,
+:func:`check_speculative_output`) run the learner's function on cases built to catch the classic mistakes
+(an off-by-one acceptance, a cache not rolled back, a wrong residual distribution).
+
 How ``check_close`` decides: element-wise ``|got - expected| <= atol + rtol * |expected|``,
 the rule of ``torch.allclose`` and ``numpy.allclose``; NaN only matches NaN.
 """
@@ -17,6 +21,9 @@ import math
 from typing import Any, Sequence
 
 import numpy as np
+import torch
+
+from .speculative import accept_greedy
 
 PASS_MARK = "✓"
 
@@ -37,7 +44,7 @@ def fail(name: str, message: str) -> None:
 
 def as_array(value: Any) -> np.ndarray:
     """``value`` as a numpy array (torch tensors are detached, moved to CPU, low floats widened)."""
-    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, without importing torch
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor
         tensor = value.detach().cpu()
         if tensor.is_floating_point() and tensor.dtype.itemsize < 4:
             tensor = tensor.float()  # numpy has no bfloat16
@@ -196,3 +203,85 @@ def check_served(name: str, served: Sequence[Any], trace: Sequence[Any], referen
                        f"{s.start_s:.3f} s, tokens at {[round(t, 3) for t in s.token_s[:4]]}...); a request "
                        "starts after it arrives and each token comes after the one before.")
     passed(name, f"{len(served)} requests, {sum(len(s.tokens) for s in served)} tokens, each as when alone")
+
+
+# ----------------------------------------------------------------------------- speculative decoding
+
+
+def _argmax_rows(best: Sequence[int], vocab: int = 8) -> Any:
+    """Logits [len(best), vocab] whose row i has its maximum at ``best[i]``."""
+    logits = torch.zeros(len(best), vocab)
+    logits[torch.arange(len(best)), torch.tensor(best)] = 1.0
+    return logits
+
+
+GREEDY_CASES = (  # (drafted, the target's argmax at each fed slot, the answer)
+    ([1, 2, 3], [1, 2, 3, 4], (3, 4)),  # all accepted: the bonus token comes from the last row
+    ([1, 2, 3], [1, 5, 3, 4], (1, 5)),  # rejected at 1: the target's own token replaces it
+    ([1, 2], [0, 2, 3], (0, 0)),  # rejected at once: still one token made
+    ([], [4], (0, 4)),  # nothing drafted: a plain decode step
+    ([2, 2, 2], [2, 2, 1, 0], (2, 1)),
+    ([6, 6, 6, 6], [6, 7, 6, 6, 6], (1, 7)),  # agreeing again after a rejection does not count
+)
+
+
+def check_greedy_acceptance(name: str, fn: Any) -> None:
+    """``fn(drafted, target_logits [k+1, V]) -> (n_accepted, next_token)`` on cases that catch the classic
+    mistakes: an off-by-one between a draft and the row that judges it, a forgotten bonus token, counting
+    matches after the first rejection."""
+    for drafted, best, want in GREEDY_CASES:
+        got = fn(list(drafted), _argmax_rows(best))
+        got = tuple(int(v) for v in got)
+        if got != want:
+            fail(name, f"drafted {drafted}, target argmax per fed slot {best}: got (n, next) = {got}, expected "
+                       f"{want}. Row i of the logits judges drafted[i] (the pass fed the last token first); "
+                       "row n gives the next token, row k the bonus when all k are accepted.")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        k = int(torch.randint(0, 6, (1,), generator=g))
+        logits = torch.randn(k + 1, 5, generator=g)
+        drafted = torch.randint(0, 5, (k,), generator=g).tolist()
+        got, want = tuple(int(v) for v in fn(drafted, logits)), accept_greedy(drafted, logits)
+        if got != want:
+            fail(name, f"drafted {drafted}, target argmax {logits.argmax(-1).tolist()}: got {got}, expected {want}.")
+    passed(name, f"{len(GREEDY_CASES)} hand-made cases and 50 random ones")
+
+
+SAMPLING_P = ((0.5, 0.3, 0.1, 0.1, 0.0), (0.05, 0.05, 0.1, 0.2, 0.6), (0.2, 0.2, 0.2, 0.2, 0.2))
+SAMPLING_Q = ((0.1, 0.2, 0.3, 0.2, 0.2), (0.3, 0.3, 0.2, 0.1, 0.1))
+
+
+def check_sampling_rule(name: str, fn: Any, draws: int = 20_000, bound: float = 0.025) -> None:
+    """``fn(drafted, p [k+1, V], q [k, V], generator) -> (n, next)`` must emit tokens distributed as the
+    target's ``p``: on a 5-token vocabulary, with 2 tokens drafted from ``q`` (far from ``p``) each time,
+    the frequencies of the first and second emitted token over ``draws`` seeded draws must lie within
+    ``bound`` of ``p`` in total variation (sampling noise alone gives ~0.006)."""
+    p, q = torch.tensor(SAMPLING_P), torch.tensor(SAMPLING_Q)
+    g, counts = torch.Generator().manual_seed(0), torch.zeros(2, p.shape[1])
+    for _ in range(draws):
+        drafted = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(q.shape[0])]
+        n, nxt = (int(v) for v in fn(drafted, p, q, g))
+        if not 0 <= n <= len(drafted):
+            fail(name, f"n = {n} accepted out of {len(drafted)} drafted.")
+        for j, token in enumerate((drafted[:n] + [nxt])[:2]):
+            counts[j, token] += 1
+    freq = counts / counts.sum(dim=1, keepdim=True)
+    tv = (0.5 * (freq - p[:2]).abs().sum(dim=1)).tolist()
+    for j, t in enumerate(tv):
+        if t > bound:
+            fail(name, f"emitted token {j + 1}: total variation {t:.3f} from the target's distribution "
+                       f"(bound {bound}); frequencies {[round(f, 3) for f in freq[j].tolist()]}, target "
+                       f"{list(SAMPLING_P[j])}. Accept with min(1, p/q); resample a rejection from "
+                       "norm(max(p - q, 0)); after k acceptances draw the bonus from p[k].")
+    passed(name, f"total variation {max(tv):.3f} <= {bound} over {draws:,} draws")
+
+
+def check_speculative_output(name: str, got: Any, want: Any) -> None:
+    """Greedy speculative tokens must be the plain greedy tokens, every one of them."""
+    got, want = [int(t) for t in as_array(got).ravel()], [int(t) for t in as_array(want).ravel()]
+    if got != want:
+        i = _first_difference(got, want)
+        fail(name, f"{len(got)} tokens where plain greedy decoding makes {len(want)}; first difference at token "
+                   f"{i} (got {got[i:i + 3]}, plain {want[i:i + 3]}). Did the cache roll back to the accepted "
+                   "length after each verify pass?")
+    passed(name, f"{len(got)} tokens, identical to plain greedy decoding")

@@ -148,6 +148,13 @@ def resolve_name(name: str | None = None) -> str:
     return EMBEDDED if chosen.strip().lower() in EMBEDDED_ALIASES else chosen.strip()
 
 
+def draft_model_name() -> str | None:
+    """The separate draft model for speculative decoding, ``$WORKBOOK_DRAFT_MODEL`` (a local folder or hub id),
+    or None when none is configured. It must share the target's tokenizer; load it with :func:`load_model`."""
+    chosen = os.environ.get("WORKBOOK_DRAFT_MODEL", "").strip()
+    return resolve_name(chosen) if chosen else None
+
+
 def model_spec(model: Any, name: str) -> ModelSpec:
     """Read the spec off a loaded transformers model (parameters counted, not guessed)."""
     cfg = model.config
