@@ -291,3 +291,18 @@ def test_max_sequences_is_memory_over_kv_per_sequence():
     assert max_sequences(80e9, 16e9, kv, 10**7) == 0
     with pytest.raises(OutOfMemoryError):
         max_sequences(16e9, 16e9, kv, 4_096)
+
+
+# ----------------------------------------------------------------------------- what a token costs
+
+
+def test_cost_per_million_tokens_is_the_hourly_price_over_the_token_rate():
+    cost_per_million_tokens, token_costs = rl.cost_per_million_tokens, rl.token_costs
+    assert cost_per_million_tokens(3.6, 1000.0) == pytest.approx(1.0)  # $0.001/s over 1,000 tok/s
+    costs = token_costs(2.0, prefill_tok_s=1000.0, decode_tok_s=40.0)
+    assert costs.input_usd_per_m == pytest.approx(2 / 3.6) and costs.output_usd_per_m == pytest.approx(2 / 3.6 * 25)
+    assert costs.output_over_input == pytest.approx(25.0)
+    for bad in (lambda: cost_per_million_tokens(0, 10), lambda: cost_per_million_tokens(1, 0),
+                lambda: token_costs(-1, 10, 10), lambda: token_costs(1, 10, float("nan"))):
+        with pytest.raises(WorkbookError):
+            bad()

@@ -164,3 +164,15 @@ def test_ridge_from_curve_finds_the_knee_or_says_beyond():
     assert "bent at batch ~8" in batch_curve_verdict(batches, step, 8.0)
     with pytest.raises(ValueError):
         ridge_from_curve([2, 4], [0.1, 0.2])
+
+
+def test_goodput_crossing_names_the_first_load_where_one_wins_or_says_it_never_does():
+    loads = [1.0, 2.0, 3.0, 4.0]
+    said = V.goodput_crossing(loads, [1.0, 1.9, 2.0, 1.5], [0.9, 2.0, 2.7, 3.0], "4 colocated", "2 prefill + 2 decode")
+    assert said.startswith("2 prefill + 2 decode beats 4 colocated from 3 req/s offered (goodput 2.7 vs 2 req/s)")
+    assert "still ahead at 4 (3 vs 1.5)" in said and "below that" in said
+    never = V.goodput_crossing(loads, [1.0, 2.0, 3.0, 4.0], [0.5, 1.9, 3.1, 1.0], "A", "B")
+    assert never.startswith("B never beats A by more than 10%") and "closest at 3 req/s: goodput 3.1 vs 3" in never
+    assert "lowest load tried" in V.goodput_crossing([1.0], [0.0], [1.0], "A", "B")
+    with pytest.raises(ValueError):
+        V.goodput_crossing(loads, [1.0], [1.0], "A", "B")

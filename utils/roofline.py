@@ -386,6 +386,42 @@ def request_cost(input_tokens: int, output_tokens: int, usd_per_m_input: float,
     return ((n_in - n_cached) * p_in + n_cached * p_cached + n_out * p_out) / 1e6
 
 
+def cost_per_million_tokens(usd_per_hour: float, tok_s: float) -> float:
+    """What a million tokens cost on a machine rented at ``usd_per_hour`` making ``tok_s`` (USD).
+
+    ``usd_per_hour / 3,600 s / tok_s x 1e6``: the machine's price per second divided by
+    the tokens it makes per second. At $2/h, 1,000 tok/s costs ~$0.56 per million tokens;
+    40 tok/s costs ~$13.9. A fully busy machine is assumed: idle time costs the same.
+    """
+    price = check_number(usd_per_hour, "usd_per_hour", "USD per hour")
+    return price / 3600.0 / check_number(tok_s, "tok_s", "tokens per second") * 1e6
+
+
+@dataclass(frozen=True)
+class TokenCosts:
+    """Cost per million input (prefill) and output (decode) tokens on one machine (USD)."""
+
+    input_usd_per_m: float
+    output_usd_per_m: float
+
+    @property
+    def output_over_input(self) -> float:
+        """How many times dearer an output token is than an input token."""
+        return self.output_usd_per_m / self.input_usd_per_m
+
+
+def token_costs(usd_per_hour: float, prefill_tok_s: float, decode_tok_s: float) -> TokenCosts:
+    """Input and output cost per million tokens from the two phases' speeds on one machine.
+
+    ``decode_tok_s`` is the machine's aggregate output rate: at batch ``B``,
+    ``B / step time``. Batching raises it (the weights are read once per step for every
+    row), so the ratio output/input falls with the batch: at batch 1 it is about
+    ``prefill tok/s / decode tok/s``, often 20-100x; a busy server runs it down to a few x.
+    """
+    return TokenCosts(cost_per_million_tokens(usd_per_hour, prefill_tok_s),
+                      cost_per_million_tokens(usd_per_hour, decode_tok_s))
+
+
 # ------------------------------------------------------------------------ capacity
 
 

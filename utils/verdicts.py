@@ -274,3 +274,25 @@ def batch_curve_verdict(batches: Sequence[int], step_s: Sequence[float], predict
                 f"(the roofline predicts {predicted_ridge:,.0f}).")
     return (f"{flat}, and bent at batch ~{measured:,.0f} (the knee of the measured curve). "
             + measured_vs_predicted("Ridge batch", measured, predicted_ridge))
+
+
+def goodput_crossing(loads: Sequence[float], a: Sequence[float], b: Sequence[float], name_a: str, name_b: str, *,
+                     unit: str = "req/s", tie: float = TIE) -> str:
+    """Where ``b``'s goodput first beats ``a``'s by more than ``tie`` as the load rises, or that it never does.
+
+    "1 prefill + 3 decode beats 4 colocated from 2.4 req/s offered (goodput 2.1 vs 1.2 req/s) ..." or
+    "... never beats ... at the loads tried (0.5-4 req/s); closest at 2 req/s: 1.1 vs 1.3 req/s."
+    """
+    if not len(loads) == len(a) == len(b) or not loads:
+        raise ValueError("loads, a and b need one goodput per load.")
+    wins = [i for i, (x, y) in enumerate(zip(a, b)) if y > 0 and y > x * (1 + tie)]
+    if not wins:
+        i = max(range(len(loads)), key=lambda k: b[k] - a[k])
+        return (f"{name_b} never beats {name_a} by more than {tie:.0%} at the loads tried "
+                f"({min(loads):.3g}-{max(loads):.3g} {unit}); closest at {loads[i]:.3g} {unit}: "
+                f"goodput {b[i]:.3g} vs {a[i]:.3g} {unit}.")
+    i, j = wins[0], wins[-1]
+    ahead = f" and is still ahead at {loads[j]:.3g} ({b[j]:.3g} vs {a[j]:.3g})" if j != i else ""
+    below = f"; below that they are within {tie:.0%} or {name_a} is ahead" if i > 0 else " (the lowest load tried)"
+    return (f"{name_b} beats {name_a} from {loads[i]:.3g} {unit} offered (goodput {b[i]:.3g} vs {a[i]:.3g} {unit})"
+            f"{ahead}{below}.")

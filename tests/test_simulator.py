@@ -1,0 +1,274 @@
+"""utils.simulator: hand-computed schedules, the real loop's exact mirror, goodput and the best split."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from utils import batching as B
+from utils import llama as L
+from utils import simulator as S
+from utils.errors import WorkbookError
+from utils.hardware import accelerator
+from utils.roofline import LLAMA3_8B
+
+
+def costs(overhead: float = 0.0, rate: float = 100.0, decode=((1, 0.05), (4, 0.08)), kv: float = 1000.0) -> S.StepCosts:
+    """Prefill ``overhead + n / rate``; decode 0.05 s at batch 1, +0.01 s per extra row."""
+    return S.fit_costs([(10, overhead + 10 / rate), (100, overhead + 100 / rate)], list(decode), kv)
+
+
+def req(i: int, t: float, prompt: int, out: int) -> S.SimRequest:
+    return S.SimRequest(i, t, prompt, out)
+
+
+# ----------------------------------------------------------------------------- the costs
+
+
+def test_fit_recovers_an_exact_line_and_interpolates_the_decode_curve():
+    c = costs(overhead=0.1)
+    assert c.prefill_overhead_s == pytest.approx(0.1) and c.prefill_rate_tok_s == pytest.approx(100)
+    assert c.prefill_s(50) == pytest.approx(0.6)
+    assert [c.decode_step_s(b) for b in (1, 2, 3, 4, 8)] == pytest.approx([0.05, 0.06, 0.07, 0.08, 0.12])
+    assert c.decode_tok_s(4) == pytest.approx(4 / 0.08) and c.prefill_tok_s(50) == pytest.approx(50 / 0.6)
+
+
+def test_fit_never_gives_a_negative_overhead_or_a_falling_extrapolation():
+    c = S.fit_costs([(10, 0.05), (100, 1.2)], [(2, 0.05), (4, 0.04)], 1)  # a noisy, falling curve end
+    through_origin = (10 * 0.05 + 100 * 1.2) / (10**2 + 100**2)  # least squares of s = n / rate
+    assert c.prefill_overhead_s == 0 and c.prefill_s(100) == pytest.approx(100 * through_origin)
+    assert c.decode_step_s(1) == 0.05  # flat below the first point
+    assert c.decode_step_s(16) == pytest.approx(0.04)  # never downwards beyond the last
+
+
+def test_accelerator_costs_are_the_roofline():
+    h100 = accelerator("H100")
+    c = S.costs_from_accelerator(h100, LLAMA3_8B, bytes_per_param=2, efficiency=0.5)
+    assert c.prefill_s(1000) == pytest.approx(2 * LLAMA3_8B.n_params * 1000 / (h100.bf16_dense_flops * 0.5))
+    memory_s = LLAMA3_8B.weight_bytes_read_per_token(2) / h100.bandwidth_bytes_s / 0.5
+    assert c.decode_step_s(1) == pytest.approx(memory_s) and c.decode_step_s(8) == pytest.approx(memory_s)
+    assert c.decode_step_s(2000) == pytest.approx(2 * LLAMA3_8B.n_params * 2000 / (h100.bf16_dense_flops * 0.5))
+    assert c.kv_bytes_per_token == 131_072
+
+
+# ----------------------------------------------------------------------------- colocated, by hand
+
+
+def test_one_request_alone_prefills_then_decodes_at_batch_one():
+    (r,) = S.simulate_colocated([req(0, 1.0, 50, 5)], costs())
+    assert r.ttft_s == pytest.approx(0.5) and r.start_s == 1.0
+    assert r.token_s == pytest.approx([1.5, 1.55, 1.60, 1.65, 1.70])
+    assert r.tpot_s == pytest.approx(0.05) and r.max_tbt_s == pytest.approx(0.05)
+
+
+def test_two_requests_queue_for_one_row():
+    a, b = S.simulate_colocated([req(0, 0.0, 50, 3), req(1, 0.0, 50, 3)], costs(), rows=1)
+    assert a.token_s == pytest.approx([0.5, 0.55, 0.60])
+    assert b.start_s == pytest.approx(0.60) and b.token_s == pytest.approx([1.1, 1.15, 1.20])
+
+
+def test_two_rows_prefill_both_then_decode_both():
+    a, b = S.simulate_colocated([req(0, 0.0, 50, 2), req(1, 0.0, 50, 2)], costs(), rows=2)
+    assert a.token_s == pytest.approx([0.5, 1.06]) and b.token_s == pytest.approx([1.0, 1.06])
+
+
+def test_chunked_prefill_bounds_the_gap_of_running_requests():
+    c = costs(overhead=0.01)
+    trace = [req(0, 0.0, 10, 60), req(1, 0.3, 400, 2)]
+    whole = S.simulate_colocated(trace, c, rows=2)[0]
+    chunked = S.simulate_colocated(trace, c, rows=2, chunk=20)[0]
+    assert whole.max_tbt_s >= c.prefill_s(400)
+    assert chunked.max_tbt_s <= c.prefill_s(20) + c.decode_step_s(2) + 1e-12
+    assert chunked.max_tbt_s < whole.max_tbt_s / 5
+
+
+def test_arrivals_go_to_the_least_loaded_machine():
+    trace = [req(0, 0.0, 50, 10), req(1, 0.0, 50, 10), req(2, 0.1, 50, 10)]
+    res = S.simulate_colocated(trace, costs(), machines=2)
+    assert [r.machine for r in res] == ["colocated 0", "colocated 1", "colocated 0"]
+    assert res[0].ttft_s == res[1].ttft_s == pytest.approx(0.5)
+
+
+# ----------------------------------------------------------------------------- disaggregated, by hand
+
+
+def test_the_transfer_delays_the_second_token_not_the_first():
+    c = costs()  # 1000 B of KV per token: 50 tokens = 50 kB
+    (r,) = S.simulate_disaggregated([req(0, 0.0, 50, 3)], c, 1, 1, link_bytes_s=1e5, link_latency_s=0.1)
+    assert r.ttft_s == pytest.approx(0.5)  # prefill only
+    assert r.token_s == pytest.approx([0.5, 0.5 + 0.5 + 0.1 + 0.05, 1.15 + 0.05])
+    assert r.machine == "decode 0"
+
+
+def test_free_prefill_and_an_instant_link_leave_pure_decode():
+    c = costs(rate=1e15)
+    trace = [req(i, 0.0, 100, 20) for i in range(3)]
+    res = S.simulate_disaggregated(trace, c, prefill_machines=3, decode_machines=1, rows=4, link_bytes_s=math.inf)
+    for r in res:
+        assert r.tpot_s == pytest.approx(c.decode_step_s(3)) and r.max_tbt_s == pytest.approx(c.decode_step_s(3))
+        assert r.ttft_s == pytest.approx(100 / 1e15)
+
+
+def test_the_prefill_pool_is_fifo_and_a_one_token_answer_never_leaves_it():
+    trace = [req(0, 0.0, 50, 1), req(1, 0.0, 50, 4), req(2, 0.0, 50, 4)]
+    res = S.simulate_disaggregated(trace, costs(), 1, 1, link_bytes_s=math.inf)
+    assert [r.token_s[0] for r in res] == pytest.approx([0.5, 1.0, 1.5])
+    assert res[0].machine == "prefill 0" and res[0].token_s == pytest.approx((0.5,))
+
+
+# ----------------------------------------------------------------------------- the real loop, mirrored exactly
+
+
+def tiny_llama() -> L.Llama:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    return L.Llama.from_hf(tf.LlamaForCausalLM(cfg).eval())
+
+
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_the_simulator_replays_serve_continuous_exactly_when_the_clock_charges_its_costs(monkeypatch, chunk):
+    c = costs(overhead=0.01)
+    charges: list[float] = []
+    real_prefill, real_decode = B.prefill_row, B.decode_rows
+
+    def prefill_row(model, rows, row, ids):
+        charges.append(c.prefill_s(len(ids)))
+        return real_prefill(model, rows, row, ids)
+
+    def decode_rows(model, rows, tokens, decoding):
+        charges.append(c.decode_step_s(len(tokens)))
+        return real_decode(model, rows, tokens, decoding)
+
+    def run(clock, fn):
+        out = fn()
+        clock.now += charges.pop()
+        return out
+
+    monkeypatch.setattr(B, "prefill_row", prefill_row)
+    monkeypatch.setattr(B, "decode_rows", decode_rows)
+    monkeypatch.setattr(B.Clock, "run", run)
+    g = torch.Generator().manual_seed(1)
+    arrivals = B.poisson_arrivals(9, rate_per_s=4.0, seed=2)
+    trace = [B.Request(i, t, torch.randint(1, 96, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g),
+                       int(torch.randint(1, 12, (1,), generator=g))) for i, t in enumerate(arrivals)]
+    served = B.serve_continuous(tiny_llama(), trace, rows=3, chunk=chunk)
+    simulated = S.simulate_colocated(S.from_trace(trace), c, rows=3, chunk=chunk)
+    for s, r in zip(served, simulated):
+        assert r.token_s == pytest.approx(s.token_s, abs=1e-9) and r.start_s == pytest.approx(s.start_s, abs=1e-9)
+    assert all(a.ratio == pytest.approx(1) for a in S.compare_with_measured(simulated, served))
+
+
+# ----------------------------------------------------------------------------- invariants
+
+
+def every_way(trace):
+    c = costs(overhead=0.02)
+    yield S.simulate_colocated(trace, c, machines=1, rows=4)
+    yield S.simulate_colocated(trace, c, machines=3, rows=2, chunk=16)
+    yield S.simulate_disaggregated(trace, c, 2, 2, rows=3, link_bytes_s=1e6, link_latency_s=0.01)
+
+
+def test_every_request_gets_exactly_its_tokens_in_order_after_it_arrived():
+    trace = S.synthetic_trace(60, rate_per_s=5.0, prompt_tokens=(8, 200), output_tokens=(1, 30), seed=4)
+    for results in every_way(trace):
+        assert [r.request for r in results] == trace
+        for r in results:
+            assert len(r.token_s) == r.request.output_tokens
+            assert r.request.arrival_s <= r.start_s < r.token_s[0]
+            assert all(g > 0 for g in r.gaps_s)
+
+
+def test_the_simulation_is_deterministic():
+    trace = S.synthetic_trace(40, rate_per_s=8.0, prompt_tokens=(8, 200), output_tokens=(1, 30), seed=5)
+    assert trace == S.synthetic_trace(40, rate_per_s=8.0, prompt_tokens=(8, 200), output_tokens=(1, 30), seed=5)
+    assert list(every_way(trace)) == list(every_way(trace))
+
+
+def test_from_trace_keeps_the_lengths():
+    trace = [B.Request(3, 0.5, torch.arange(7), 4)]
+    assert S.from_trace(trace) == [S.SimRequest(3, 0.5, 7, 4)]
+
+
+# ----------------------------------------------------------------------------- goodput and the best split
+
+
+def test_goodput_counts_only_requests_that_met_both_targets():
+    r = S.SimRequest(0, 0.0, 10, 3)
+    results = [S.SimResult(r, "x", 0.0, (0.5, 0.6, 0.7)),  # meets both
+               S.SimResult(r, "x", 0.0, (0.9, 0.95, 1.0)),  # meets both: TTFT exactly at the target
+               S.SimResult(r, "x", 0.0, (1.5, 1.6, 1.7)),  # TTFT too long
+               S.SimResult(r, "x", 0.0, (0.5, 1.0, 1.5))]  # TPOT 0.5 too long
+    g = S.goodput(results, ttft_slo_s=0.9, tpot_slo_s=0.1, duration_s=2.0)
+    assert (g.met, g.total, g.attainment, g.rate_per_s) == (2, 4, 0.5, 1.0)
+    assert S.goodput(results, 0.9, 0.1).duration_s == pytest.approx(1.7)  # first arrival to last token
+
+
+def interference_trace():
+    """Prompts of 1 s and 40-token answers, one every 1.2 s: a new prefill stalls a running decode."""
+    return [req(i, 1.2 * i, 100, 40) for i in range(12)]
+
+
+def test_best_split_is_disaggregated_when_prefill_stalls_decode():
+    cmp = S.best_split(interference_trace(), costs(), 2, ttft_slo_s=2.0, tpot_slo_s=0.07)
+    assert [s.label for s in cmp.splits] == ["2 colocated", "1 prefill + 1 decode"]
+    assert cmp.best.label == "1 prefill + 1 decode" and cmp.best.goodput.attainment == 1
+    assert cmp.colocated.goodput.met < cmp.colocated.goodput.total
+
+
+def test_best_split_is_colocated_when_the_link_is_slow():
+    cmp = S.best_split(interference_trace(), costs(), 3, ttft_slo_s=2.0, tpot_slo_s=0.07, chunk=10,
+                       link_latency_s=5.0)  # the second token waits 5 s: TPOT fails everywhere disaggregated
+    assert cmp.best is cmp.colocated and all(s.goodput.met == 0 for s in cmp.splits[1:])
+    assert len(cmp.splits) == 3 and cmp.colocated.goodput.attainment == 1
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("call", [
+    lambda: S.simulate_colocated([req(0, 0, 5, 5)], costs(), rows=0),
+    lambda: S.simulate_colocated([req(0, 0, 5, 5)], costs(), machines=1.5),
+    lambda: S.simulate_colocated([req(0, 0, 5, 5)], costs(), chunk=-1),
+    lambda: S.simulate_colocated([], costs()),
+    lambda: S.simulate_colocated([req(0, 0, 5, 5), req(0, 1, 5, 5)], costs()),
+    lambda: S.simulate_disaggregated([req(0, 0, 5, 5)], costs(), 0, 1),
+    lambda: S.simulate_disaggregated([req(0, 0, 5, 5)], costs(), 1, 1, link_bytes_s=-1),
+    lambda: S.simulate_disaggregated([req(0, 0, 5, 5)], costs(), 1, 1, link_latency_s=float("nan")),
+    lambda: S.SimRequest(0, 0.0, 0, 5),
+    lambda: S.SimRequest(0, -1.0, 5, 5),
+    lambda: S.goodput([], 1, 1),
+    lambda: S.goodput(S.simulate_colocated([req(0, 0, 5, 5)], costs()), 0, 1),
+    lambda: S.best_split([req(0, 0, 5, 5)], costs(), 1, 1, 1),
+    lambda: S.fit_costs([], [(1, 0.1)], 1),
+    lambda: S.fit_costs([(10, 0.2), (100, 0.1)], [(1, 0.1)], 1),
+    lambda: S.fit_costs([(10, 0.2)], [(1, 0.1), (1, 0.2)], 1),
+    lambda: S.fit_costs([(10, 0.2)], [(1, 0.1)], 0),
+    lambda: S.costs_from_accelerator(accelerator("H100"), LLAMA3_8B, efficiency=1.5),
+    lambda: S.synthetic_trace(5, 1.0, (10, 5), (1, 2)),
+    lambda: S.compare_with_measured(S.simulate_colocated([req(0, 0, 5, 5)], costs()), []),
+])
+def test_bad_input_is_a_clear_error(call):
+    with pytest.raises(WorkbookError):
+        call()
+
+
+def test_goodput_sweep_names_the_best_split_and_the_sustained_load():
+    sim = S
+    costs = sim.fit_costs([(10, 0.01), (100, 0.1)], [(1, 0.02), (4, 0.02)], kv_bytes_per_token=1000)
+    one = sim.capacity_per_machine(costs, 4, (50, 50), (10, 10))
+    assert one == pytest.approx(1 / (costs.prefill_s(50) + 10 * 0.02 / 4))
+    sweep = sim.goodput_sweep(costs, 3, 10.0, 10.0, prompt_tokens=(50, 50), output_tokens=(10, 10), rows=4,
+                              n_requests=20, loads=(0.1, 0.2))
+    assert sweep.rates == pytest.approx([0.1 * 3 * one, 0.2 * 3 * one])
+    assert [cmp.colocated.goodput.attainment for cmp in sweep.table] == [1.0, 1.0]  # loose targets: all on time
+    assert sweep.sustained(0) == pytest.approx(sweep.rates[-1])
+    assert sweep.best_disaggregated() in (1, 2) and sweep.label(0) == "3 colocated"
+    tight = sim.goodput_sweep(costs, 3, 1e-6, 1e-6, prompt_tokens=(50, 50), output_tokens=(10, 10), rows=4,
+                              n_requests=20, loads=(0.1,))
+    assert tight.sustained(0) == 0.0  # no request can meet an impossible target

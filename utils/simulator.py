@@ -1,0 +1,597 @@
+"""A discrete-event simulator of a serving cluster, fed with measured (or roofline) step costs.
+
+One machine can be measured; a cluster of them cannot, here. So the chapter measures what
+one step costs on this machine -- a prefill of ``n`` prompt tokens, one decode step over
+``B`` rows -- and replays a trace of requests through a model of many machines that
+charges exactly those costs. Nothing is run on a model: the clock advances by the cost of
+each step, as :class:`utils.batching.Clock` advances by the measured time of the real one.
+
+**Colocated** serving (:func:`simulate_colocated`): every machine runs both phases, with
+the iteration loop of :func:`utils.batching.serve_continuous`. Each iteration admits
+arrived requests into free rows, prefills (each new prompt whole, or with ``chunk`` at
+most ``chunk`` prompt tokens, oldest first), then runs one decode step for every row
+that has its first token. A long prompt's prefill delays every running request's next
+token: prefill and decode *interfere*. Chunked prefill (Sarathi, Agrawal et al. 2024)
+bounds that delay by one chunk.
+
+**Disaggregated** serving (:func:`simulate_disaggregated`) puts the two phases on
+separate machines: a prefill pool computes each prompt's KV cache and first token, the
+cache moves over a link (``kv_bytes_per_token x prompt tokens / link bandwidth``), and
+a decode pool makes the rest of the tokens. No prefill ever stalls a decode step, and
+each pool can be sized (and on a real cluster, parallelised) for its own phase:
+compute-bound prefill, bandwidth-bound decode. The price is the transfer and the
+machines of one pool idling while the other is the bottleneck. Splitwise (Patel et al.
+2024) and DistServe (Zhong et al. 2024) showed it pays when both a time-to-first-token
+(TTFT) and a time-per-output-token (TPOT) target must hold.
+
+**Goodput** (DistServe's measure, :func:`goodput`) counts only requests that met both
+targets: ``TTFT <= ttft_slo_s`` and ``TPOT <= tpot_slo_s``, with TPOT the mean time
+between a request's tokens. Throughput rewards a server that makes tokens too late to
+be useful; goodput does not. :func:`best_split` tries every split of ``N`` machines into
+prefill and decode pools against ``N`` colocated ones.
+
+The costs (:class:`StepCosts`) come from measurements (:func:`fit_costs`: prefill as a
+line ``overhead + n / rate``, decode interpolated over the measured batch curve) or from
+an accelerator's datasheet (:func:`costs_from_accelerator`: roofline times). A decode
+step's cost depends on the batch only: its growth with the context (attention, KV reads)
+is left out, and so is any contention on the link. Times are seconds; the simulation is
+deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import roofline
+from .batching import Request, Served, poisson_arrivals
+from .errors import WorkbookError, check_count, check_number
+from .hardware import Accelerator
+from .plotting import COLORS, finish, new_axes, plot_measured, plot_predicted
+
+# ----------------------------------------------------------------------------- what a step costs
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What one step costs on one machine: prefill of ``n`` tokens, a decode step over ``B`` rows.
+
+    Prefill: ``prefill_overhead_s + n / prefill_rate_tok_s``. Decode: linear interpolation
+    over the curve (``decode_batches``, ``decode_step_times_s``), flat below its first
+    point and extended along its last segment (never downwards) beyond its last.
+    """
+
+    prefill_overhead_s: float
+    prefill_rate_tok_s: float
+    decode_batches: tuple[float, ...]
+    decode_step_times_s: tuple[float, ...]
+    kv_bytes_per_token: float
+    label: str = ""
+
+    def prefill_s(self, n_tokens: int) -> float:
+        """Seconds to prefill ``n_tokens`` prompt tokens (one call)."""
+        n = check_count(n_tokens, "n_tokens")
+        return self.prefill_overhead_s + n / self.prefill_rate_tok_s
+
+    def decode_step_s(self, batch: int) -> float:
+        """Seconds of one decode step over ``batch`` rows (each makes one token)."""
+        b = check_count(batch, "batch")
+        xs, ys = self.decode_batches, self.decode_step_times_s
+        if len(xs) == 1 or b <= xs[0]:
+            return ys[0]
+        i = min(int(np.searchsorted(xs, b)), len(xs) - 1)  # the segment (xs[i-1], xs[i]]
+        slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+        if b > xs[-1]:
+            slope = max(slope, 0.0)
+        return ys[i] + slope * (b - xs[i])
+
+    def prefill_tok_s(self, n_tokens: int) -> float:
+        """Prefill speed at a prompt of ``n_tokens``: ``n / prefill_s(n)``."""
+        return n_tokens / self.prefill_s(n_tokens)
+
+    def decode_tok_s(self, batch: int) -> float:
+        """Aggregate decode speed at ``batch`` rows: ``batch / decode_step_s(batch)``."""
+        return batch / self.decode_step_s(batch)
+
+
+def _fit_prefill_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(overhead_s, rate_tok_s) of the least-squares line ``s = overhead + n / rate``, overhead >= 0."""
+    n = np.array([check_count(p[0], "prefill tokens") for p in points], dtype=float)
+    s = np.array([check_number(p[1], "prefill seconds", "s") for p in points])
+    if len(set(n)) < 2:
+        return 0.0, float(n.sum() / s.sum())  # one length: a rate through the origin
+    slope, overhead = np.polyfit(n, s, 1)
+    if overhead < 0:  # noise made the intercept negative: fit through the origin instead
+        slope, overhead = float(n @ s / (n @ n)), 0.0
+    if slope <= 0:
+        raise WorkbookError("The prefill times do not grow with the prompt length: measure a wider "
+                            f"range of lengths (got {list(zip(n.tolist(), s.tolist()))}).")
+    return float(overhead), float(1.0 / slope)
+
+
+def fit_costs(prefill_points: Sequence[tuple[int, float]], decode_points: Sequence[tuple[int, float]],
+              kv_bytes_per_token: float, label: str = "measured") -> StepCosts:
+    """:class:`StepCosts` from measurements: [(prompt tokens, prefill s)], [(batch, s per decode step)].
+
+    Prefill: a least-squares line ``overhead + n / rate`` (overhead clamped at 0).
+    Decode: the measured curve itself, interpolated between its points.
+    """
+    if not prefill_points or not decode_points:
+        raise WorkbookError("fit_costs needs at least one prefill point and one decode point.")
+    overhead, rate = _fit_prefill_line(prefill_points)
+    curve = sorted((check_count(b, "decode batch"), check_number(t, "decode step seconds", "s"))
+                   for b, t in decode_points)
+    if len({b for b, _ in curve}) != len(curve):
+        raise WorkbookError(f"decode_points has a batch size twice: {curve}.")
+    kv = check_number(kv_bytes_per_token, "kv_bytes_per_token", "bytes per token")
+    return StepCosts(overhead, rate, tuple(float(b) for b, _ in curve), tuple(t for _, t in curve), kv, label)
+
+
+def costs_from_accelerator(acc: Accelerator, shape: roofline.ModelShape, bytes_per_param: float = 2,
+                           efficiency: float = 0.5) -> StepCosts:
+    """:class:`StepCosts` at an accelerator's roofline, reached at ``efficiency`` (0 < e <= 1).
+
+    Prefill: compute-bound, ``2 x params x n / (FLOP/s x e)``. A decode step over ``B`` rows:
+    ``max(weight bytes read / bandwidth, 2 x params x B / FLOP/s) / e`` -- flat (bandwidth-bound)
+    up to the crossover batch, then growing with ``B``. KV bytes at ``bytes_per_param`` each.
+    """
+    e = check_number(efficiency, "efficiency")
+    if e > 1:
+        raise WorkbookError(f"efficiency is a share of the peak, at most 1, got {efficiency!r}.")
+    flops = acc.bf16_dense_flops
+    memory_s = shape.weight_bytes_read_per_token(bytes_per_param) / acc.bandwidth_bytes_s
+    compute_s_per_row = 2.0 * shape.n_params / flops
+    crossover = max(memory_s / compute_s_per_row, 1.0)
+    batches = (1.0, crossover, 2 * crossover) if crossover > 1 else (1.0, 2.0)
+    steps = tuple(max(memory_s, compute_s_per_row * b) / e for b in batches)
+    rate = roofline.prefill_ceiling_tok_s(flops, shape.n_params) * e
+    return StepCosts(0.0, rate, batches, steps, shape.kv_bytes_per_token(bytes_per_param),
+                     f"{shape.name} on {acc.name} at {e:.0%} of peak")
+
+
+# ----------------------------------------------------------------------------- requests and results
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One request: when it arrives (s), its prompt length and how many tokens it makes."""
+
+    id: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+    def __post_init__(self) -> None:
+        check_number(self.arrival_s, "arrival_s", "s", allow_zero=True)
+        check_count(self.prompt_tokens, "prompt_tokens")
+        check_count(self.output_tokens, "output_tokens")
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What happened to one request in the simulation (times in seconds on the cluster clock)."""
+
+    request: SimRequest
+    machine: str  # where it decoded: "colocated 0", "decode 1"
+    start_s: float  # its prefill began
+    token_s: tuple[float, ...]  # when each output token existed
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_s[0] - self.request.arrival_s
+
+    @property
+    def finish_s(self) -> float:
+        return self.token_s[-1]
+
+    @property
+    def latency_s(self) -> float:
+        """Arrival to last token."""
+        return self.token_s[-1] - self.request.arrival_s
+
+    @property
+    def gaps_s(self) -> list[float]:
+        """Time between consecutive tokens."""
+        return list(np.diff(self.token_s))
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token after the first: the mean gap (0 for a one-token answer)."""
+        return (self.token_s[-1] - self.token_s[0]) / (len(self.token_s) - 1) if len(self.token_s) > 1 else 0.0
+
+    @property
+    def max_tbt_s(self) -> float:
+        """The longest time between two of its tokens (0 for a one-token answer)."""
+        return max(self.gaps_s, default=0.0)
+
+
+def from_trace(trace: Sequence[Request]) -> list[SimRequest]:
+    """The :class:`SimRequest` of each request of a :mod:`utils.batching` trace (lengths only)."""
+    return [SimRequest(r.id, r.arrival_s, len(r.prompt), r.max_new_tokens) for r in trace]
+
+
+def synthetic_trace(n: int, rate_per_s: float, prompt_tokens: tuple[int, int], output_tokens: tuple[int, int],
+                    seed: int = 0) -> list[SimRequest]:
+    """``n`` requests arriving as a Poisson process, lengths drawn uniformly from the (low, high) ranges."""
+    rng = np.random.default_rng(seed)
+    lengths = []
+    for lo, hi in (prompt_tokens, output_tokens):
+        if check_count(lo, "shortest length") > check_count(hi, "longest length"):
+            raise WorkbookError(f"A length range must be (low, high) with low <= high, got {(lo, hi)}.")
+        lengths.append(rng.integers(lo, hi + 1, size=n).tolist())
+    arrivals = poisson_arrivals(n, rate_per_s, seed)
+    return [SimRequest(i, t, p, o) for i, (t, p, o) in enumerate(zip(arrivals, *lengths))]
+
+
+def _check_requests(requests: Sequence[SimRequest]) -> list[SimRequest]:
+    if not requests or not all(isinstance(r, SimRequest) for r in requests):
+        raise WorkbookError("requests must be a non-empty list of SimRequest (see from_trace, synthetic_trace).")
+    if len({r.id for r in requests}) != len(requests):
+        raise WorkbookError("Every request needs its own id.")
+    return list(requests)
+
+
+# ----------------------------------------------------------------------------- one machine's loop
+
+
+@dataclass
+class _Job:
+    """A request inside the simulation: how far its prompt got, when each token existed."""
+
+    request: SimRequest
+    ready_s: float  # when a machine may admit it: its arrival, or when its KV cache arrived
+    prompt_done: int = 0
+    start_s: float = math.nan
+    token_s: list[float] = field(default_factory=list)
+    retired_s: float | None = None
+    machine: str = ""
+
+    @property
+    def done(self) -> bool:
+        return len(self.token_s) >= self.request.output_tokens
+
+    def result(self) -> SimResult:
+        return SimResult(self.request, self.machine, self.start_s, tuple(self.token_s))
+
+
+class _Machine:
+    """One machine running :func:`utils.batching.serve_continuous`'s loop, on a simulated clock."""
+
+    def __init__(self, name: str, costs: StepCosts, rows: int, chunk: int | None) -> None:
+        self.name, self.costs, self.chunk, self.clock = name, costs, chunk, 0.0
+        self.rows: list[_Job | None] = [None] * rows
+        self.queue: deque[_Job] = deque()
+        self.jobs: list[_Job] = []  # given to it and not known to have left
+
+    def load(self, t: float) -> int:
+        """Requests in it at time ``t``: queued or in a row (retired at ``t`` or before: gone)."""
+        self.jobs = [j for j in self.jobs if j.retired_s is None or j.retired_s > t]
+        return len(self.jobs)
+
+    def take(self, job: _Job) -> None:
+        job.machine = self.name
+        self.jobs.append(job)
+        self.queue.append(job)
+
+    def next_start(self) -> float:
+        """When its next iteration begins: now, or (nothing running) when the next job is ready."""
+        return self.clock if any(self.rows) else max(self.clock, self.queue[0].ready_s)
+
+    def run_until(self, t: float) -> None:
+        """Run the whole iterations that begin before ``t`` (one beginning at ``t`` may admit more)."""
+        while (self.queue or any(self.rows)) and self.next_start() < t:
+            self.iterate()
+
+    def iterate(self) -> None:
+        """One iteration: admit, prefill work, one decode step, retire."""
+        self.clock = self.next_start()  # nothing runs: jump to the next arrival
+        while self.queue and self.queue[0].ready_s <= self.clock and None in self.rows:
+            self.rows[self.rows.index(None)] = self.queue.popleft()  # the lowest free row
+        self._prefill_work()
+        self._decode_step()
+        for row, job in enumerate(self.rows):
+            if job is not None and job.done:
+                job.retired_s, self.rows[row] = self.clock, None
+
+    def _prefill_work(self) -> None:
+        """Prefill waiting prompts oldest first, each whole or within a budget of ``chunk`` tokens."""
+        budget = self.chunk if self.chunk is not None else math.inf
+        waiting = sorted((j.request.arrival_s, row) for row, j in enumerate(self.rows) if j and not j.token_s)
+        for _, row in waiting:
+            job = self.rows[row]
+            assert job is not None
+            take = int(min(budget, job.request.prompt_tokens - job.prompt_done))
+            if take <= 0:
+                return
+            if job.prompt_done == 0:
+                job.start_s = self.clock
+            self.clock += self.costs.prefill_s(take)
+            job.prompt_done, budget = job.prompt_done + take, budget - take
+            if job.prompt_done == job.request.prompt_tokens:  # the prompt is in: the first token exists
+                job.token_s.append(self.clock)
+
+    def _decode_step(self) -> None:
+        """One step for every row with its first token and tokens still to make.
+
+        Like :func:`utils.batching.decode_rows`, the step runs rows ``0 .. highest such row``:
+        its batch counts a free (or still prefilling) row below a decoding one.
+        """
+        active = [row for row, j in enumerate(self.rows) if j and j.token_s and not j.done]
+        if not active:
+            return
+        self.clock += self.costs.decode_step_s(max(active) + 1)
+        for row in active:
+            self.rows[row].token_s.append(self.clock)  # type: ignore[union-attr]
+
+
+def _dispatch(jobs: Sequence[_Job], machines: list[_Machine]) -> None:
+    """Give each job (in order of ``ready_s``) to the machine with the fewest requests in it; run all."""
+    for job in jobs:
+        for m in machines:
+            m.run_until(job.ready_s)  # bring every machine up to the moment the job appears
+        _, target = min((m.load(job.ready_s), i) for i, m in enumerate(machines))
+        machines[target].take(job)
+    for m in machines:
+        m.run_until(math.inf)
+
+
+# ----------------------------------------------------------------------------- the two ways to serve
+
+
+def simulate_colocated(requests: Sequence[SimRequest], costs: StepCosts, machines: int = 1, rows: int = 16,
+                       chunk: int | None = None) -> list[SimResult]:
+    """Serve ``requests`` on ``machines`` that each run both phases; results in request order.
+
+    Each machine runs the loop of :func:`utils.batching.serve_continuous` over ``rows`` rows:
+    when nothing runs it jumps to the next arrival; it admits arrived requests FIFO into
+    free rows (lowest first); prefills each new prompt whole (``prefill_s(prompt)`` each), or
+    with ``chunk`` at most ``chunk`` prompt tokens per iteration, oldest first (``prefill_s(piece)``
+    each); then one decode step for every row that has its first token. The first token
+    exists when the prompt's last piece is done, each later one at the end of a decode step.
+    Each arrival goes to the machine with the fewest requests in it (ties: lowest index).
+    """
+    reqs = _check_requests(requests)
+    rows, n = check_count(rows, "rows"), check_count(machines, "machines")
+    chunk = None if chunk is None else check_count(chunk, "chunk")
+    pool = [_Machine(f"colocated {i}", costs, rows, chunk) for i in range(n)]
+    jobs = {r.id: _Job(r, r.arrival_s) for r in reqs}
+    _dispatch(sorted(jobs.values(), key=lambda j: j.ready_s), pool)
+    return [jobs[r.id].result() for r in reqs]
+
+
+def kv_transfer_s(costs: StepCosts, prompt_tokens: int, link_bytes_s: float, link_latency_s: float = 0.0) -> float:
+    """Seconds to move a prompt's KV cache: ``kv_bytes_per_token x prompt / link + latency``.
+
+    ``link_bytes_s=math.inf`` is an instant link (only the latency remains).
+    """
+    latency = check_number(link_latency_s, "link_latency_s", "s", allow_zero=True)
+    if link_bytes_s == math.inf:
+        return latency
+    link = check_number(link_bytes_s, "link_bytes_s", "bytes per second")
+    return costs.kv_bytes_per_token * check_count(prompt_tokens, "prompt_tokens") / link + latency
+
+
+def _prefill_pool(jobs: Sequence[_Job], costs: StepCosts, machines: int) -> None:
+    """Prefill each job FIFO (by arrival) on the first free prefill machine (ties: lowest index)."""
+    free_at = [0.0] * check_count(machines, "prefill_machines")
+    for job in sorted(jobs, key=lambda j: j.request.arrival_s):
+        start, i = min((max(t, job.request.arrival_s), i) for i, t in enumerate(free_at))
+        free_at[i] = start + costs.prefill_s(job.request.prompt_tokens)
+        job.start_s, job.prompt_done = start, job.request.prompt_tokens
+        job.token_s.append(free_at[i])  # the first token exists when its prefill ends
+        job.machine = f"prefill {i}"
+
+
+def simulate_disaggregated(requests: Sequence[SimRequest], costs: StepCosts, prefill_machines: int,
+                           decode_machines: int, rows: int = 16, link_bytes_s: float = 50e9,
+                           link_latency_s: float = 0.0) -> list[SimResult]:
+    """Serve ``requests`` on a prefill pool and a decode pool; results in request order.
+
+    Prefill machines take prompts FIFO, one at a time (``prefill_s(prompt)`` each); the first
+    token exists when its prefill ends. The KV cache then moves over the link
+    (:func:`kv_transfer_s`; transfers do not slow each other), and the request joins the decode
+    machine with the fewest requests in it, whose loop is :func:`simulate_colocated`'s without
+    prefill work: admit arrived transfers into free rows, one decode step for all. So the second
+    token pays for the transfer, the first does not. A one-token request never leaves prefill.
+    The default link is 50 GB/s (a 400 Gb/s network).
+    """
+    reqs = _check_requests(requests)
+    rows = check_count(rows, "rows")
+    pool = [_Machine(f"decode {i}", costs, rows, None) for i in range(check_count(decode_machines, "decode_machines"))]
+    jobs = {r.id: _Job(r, r.arrival_s) for r in reqs}
+    _prefill_pool(list(jobs.values()), costs, prefill_machines)
+    for job in jobs.values():
+        job.ready_s = job.token_s[0] + kv_transfer_s(costs, job.request.prompt_tokens, link_bytes_s, link_latency_s)
+    to_decode = sorted((j for j in jobs.values() if not j.done), key=lambda j: (j.ready_s, j.request.arrival_s))
+    _dispatch(to_decode, pool)
+    return [jobs[r.id].result() for r in reqs]
+
+
+# ----------------------------------------------------------------------------- goodput and the best split
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """How many requests met both targets, of how many, over how long."""
+
+    met: int
+    total: int
+    duration_s: float
+
+    @property
+    def attainment(self) -> float:
+        """Share of the requests that met both targets."""
+        return self.met / self.total
+
+    @property
+    def rate_per_s(self) -> float:
+        """Goodput: requests that met both targets, per second."""
+        return self.met / self.duration_s
+
+
+def meets_slo(result: SimResult, ttft_slo_s: float, tpot_slo_s: float) -> bool:
+    """``TTFT <= ttft_slo_s`` and ``TPOT`` (mean time between its tokens) ``<= tpot_slo_s``."""
+    return result.ttft_s <= ttft_slo_s and result.tpot_s <= tpot_slo_s
+
+
+def goodput(results: Sequence[SimResult], ttft_slo_s: float, tpot_slo_s: float,
+            duration_s: float | None = None) -> Goodput:
+    """Requests per second that met both targets (and the share that did).
+
+    ``duration_s`` defaults to the span from the first arrival to the last token.
+    """
+    if not results:
+        raise WorkbookError("goodput needs at least one result.")
+    ttft, tpot = check_number(ttft_slo_s, "ttft_slo_s", "s"), check_number(tpot_slo_s, "tpot_slo_s", "s")
+    if duration_s is None:
+        duration_s = max(r.finish_s for r in results) - min(r.request.arrival_s for r in results)
+    span = check_number(duration_s, "duration_s", "s")
+    return Goodput(sum(meets_slo(r, ttft, tpot) for r in results), len(results), span)
+
+
+@dataclass(frozen=True)
+class Split:
+    """One way to use the machines: ``prefill_machines == 0`` means all colocated."""
+
+    prefill_machines: int
+    decode_machines: int
+    goodput: Goodput
+
+    @property
+    def label(self) -> str:
+        if self.prefill_machines == 0:
+            return f"{self.decode_machines} colocated"
+        return f"{self.prefill_machines} prefill + {self.decode_machines} decode"
+
+
+@dataclass(frozen=True)
+class SplitComparison:
+    """Every split of ``N`` machines, the colocated ``N`` first, and the best by goodput."""
+
+    splits: list[Split]
+
+    @property
+    def colocated(self) -> Split:
+        return self.splits[0]
+
+    @property
+    def best(self) -> Split:
+        """The highest goodput (a tie goes to the earlier: colocated, then fewer prefill machines)."""
+        return max(self.splits, key=lambda s: (s.goodput.rate_per_s, -self.splits.index(s)))
+
+
+def best_split(requests: Sequence[SimRequest], costs: StepCosts, n_machines: int, ttft_slo_s: float,
+               tpot_slo_s: float, rows: int = 16, chunk: int | None = None, link_bytes_s: float = 50e9,
+               link_latency_s: float = 0.0) -> SplitComparison:
+    """Goodput of ``n_machines`` colocated (with ``chunk``) and of every prefill/decode split of them."""
+    n = check_count(n_machines, "n_machines")
+    if n < 2:
+        raise WorkbookError(f"Splitting needs at least 2 machines (one per pool), got {n}.")
+    one = simulate_colocated(requests, costs, n, rows, chunk)
+    splits = [Split(0, n, goodput(one, ttft_slo_s, tpot_slo_s))]
+    for p in range(1, n):
+        res = simulate_disaggregated(requests, costs, p, n - p, rows, link_bytes_s, link_latency_s)
+        splits.append(Split(p, n - p, goodput(res, ttft_slo_s, tpot_slo_s)))
+    return SplitComparison(splits)
+
+
+def capacity_per_machine(costs: StepCosts, rows: int, prompt_tokens: tuple[int, int],
+                         output_tokens: tuple[int, int]) -> float:
+    """Rough requests/s one machine sustains: a mean prompt's prefill plus its share of full-batch decode steps."""
+    mean_prompt, mean_output = sum(prompt_tokens) / 2, sum(output_tokens) / 2
+    per_request = costs.prefill_s(int(mean_prompt)) + mean_output * costs.decode_step_s(rows) / rows
+    return 1.0 / per_request
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """Every split of ``N`` machines at each offered load (requests/s)."""
+
+    rates: list[float]
+    table: list[SplitComparison]
+
+    def goodputs(self, k: int) -> list[float]:
+        """Goodput (requests/s on time) of split ``k`` (0 = colocated) at each load."""
+        return [cmp.splits[k].goodput.rate_per_s for cmp in self.table]
+
+    def best_disaggregated(self) -> int:
+        """The index of the split (not colocated) with the most goodput summed over the loads."""
+        return max(range(1, len(self.table[0].splits)), key=lambda k: sum(self.goodputs(k)))
+
+    def sustained(self, k: int, share: float = 0.9) -> float:
+        """Highest offered load at which at least ``share`` of requests met both targets (DistServe's measure)."""
+        ok = [r for r, cmp in zip(self.rates, self.table) if cmp.splits[k].goodput.attainment >= share]
+        return max(ok, default=0.0)
+
+    def label(self, k: int) -> str:
+        return self.table[0].splits[k].label
+
+
+def goodput_sweep(costs: StepCosts, n_machines: int, ttft_slo_s: float, tpot_slo_s: float, *,
+                  prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], rows: int = 16,
+                  chunk: int | None = None, link_bytes_s: float = 50e9, n_requests: int = 200,
+                  loads: Sequence[float] = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5), seed: int = 7) -> Sweep:
+    """:func:`best_split` at loads of ``loads x`` the rough capacity of ``n_machines`` (one seeded trace each)."""
+    unit = n_machines * capacity_per_machine(costs, rows, prompt_tokens, output_tokens)
+    rates = [f * unit for f in loads]
+    table = [best_split(synthetic_trace(n_requests, r, prompt_tokens, output_tokens, seed=seed), costs, n_machines,
+                        ttft_slo_s, tpot_slo_s, rows=rows, chunk=chunk, link_bytes_s=link_bytes_s) for r in rates]
+    return Sweep(rates, table)
+
+
+def plot_goodput(sweep: Sweep, title: str) -> None:
+    """Goodput against offered load, one line per split; the diagonal is every request on time."""
+    fig, ax = new_axes(title, "offered load (requests/s)", "goodput (requests/s meeting both targets)")
+    for k in range(len(sweep.table[0].splits)):
+        if k == 0:
+            plot_measured(ax, sweep.rates, sweep.goodputs(0), label=f"{sweep.label(0)} (chunked prefill)",
+                          color=COLORS["prefill"])
+        else:
+            ax.plot(sweep.rates, sweep.goodputs(k), "s-", alpha=0.7, label=sweep.label(k))
+    plot_predicted(ax, sweep.rates, sweep.rates, label="every request on time")
+    finish(fig)
+
+
+# ----------------------------------------------------------------------------- the simulator against the real loop
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """One figure of a trace, simulated against measured."""
+
+    what: str
+    simulated_s: float
+    measured_s: float
+
+    @property
+    def ratio(self) -> float:
+        """simulated / measured."""
+        return self.simulated_s / self.measured_s
+
+    def __str__(self) -> str:
+        return (f"{self.what:<24} simulated {self.simulated_s:8.3f} s, measured {self.measured_s:8.3f} s "
+                f"({self.ratio - 1:+.0%})")
+
+
+def _trace_figures(items: Sequence[Any]) -> dict[str, float]:
+    """Mean latency, mean TTFT, mean TPOT and makespan of anything with ``.request.arrival_s`` and ``.token_s``."""
+    arrive = [s.request.arrival_s for s in items]
+    first, last = [s.token_s[0] for s in items], [s.token_s[-1] for s in items]
+    tpot = [(s.token_s[-1] - s.token_s[0]) / (len(s.token_s) - 1) for s in items if len(s.token_s) > 1]
+    return {"mean latency": float(np.mean(np.subtract(last, arrive))),
+            "mean TTFT": float(np.mean(np.subtract(first, arrive))),
+            "mean TPOT": float(np.mean(tpot)) if tpot else 0.0,
+            "makespan": max(last) - min(arrive)}
+
+
+def compare_with_measured(simulated: Sequence[SimResult], measured: Sequence[Served]) -> list[Agreement]:
+    """The simulator's figures of a trace against the measured run of the same trace."""
+    if len(simulated) != len(measured):
+        raise WorkbookError(f"{len(simulated)} simulated results against {len(measured)} measured ones: "
+                            "simulate the same trace (from_trace) that was served.")
+    sim, real = _trace_figures(simulated), _trace_figures(measured)
+    return [Agreement(k, sim[k], real[k]) for k in sim]
