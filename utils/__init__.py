@@ -18,10 +18,13 @@ modules listed before it (``tests/test_layering.py`` checks it).
 - ``llama_phases``  prefill / decode / extend through the hand-written model (the other backend)
 - ``engine``        one request engine over either backend: generate, stream, time each phase
 - ``batching``      many requests at once: static batches, a continuous scheduler, chunked prefill
+- ``simulator``     a serving cluster simulated with measured step costs: colocated vs disaggregated, goodput
+- ``paged``         a paged KV cache (blocks and block tables) and a prefix cache over it
 - ``meter``         a per-request log line in the style of an inference engine, and its diagnosis
 - ``verdicts``      conclusions computed from this run's numbers (which is faster, what bounds decode)
 - ``quant``         weight-only int8 / int4 quantization (reference and PyTorch kernels), any layer width
 - ``variants``      judging a model variant against its baseline: bytes, perplexity, agreement, speed-up
+- ``speculative``   speculative decoding: drafts (prompt lookup, early exit, int4 copy), verify, accept, roll back
 - ``checks``        the labs' check functions: a verdict that says what is wrong
 - ``chapter``       the first cell of every chapter: load the model, print the setup
 - ``bench``         the reference benchmark (``make bench``; last line JSON)
@@ -38,6 +41,6 @@ for _name in ("torchao", "torch.utils._pytree"):
 __version__ = "0.1.0"
 
 MODULE_ORDER = ("errors", "results", "device", "timing", "roofline", "hardware", "plotting", "tokens", "sampling",
-                "models", "llama", "phases", "llama_phases", "engine", "batching", "meter", "verdicts", "quant", "variants", "checks",
+                "models", "llama", "phases", "llama_phases", "engine", "batching", "simulator", "paged", "meter", "verdicts", "quant", "variants", "speculative", "checks",
                 "chapter", "bench", "report")
 """The package's modules, bottom to top: each imports only modules before it."""
