@@ -99,14 +99,15 @@ def padding_share(lengths: Sequence[int]) -> float:
 # ----------------------------------------------------------------------------- what happened to each request
 
 
-@dataclass
-class Served:
-    """One request as the engine served it (times in seconds on the engine clock)."""
+class TokenTimes:
+    """What a request's token times say: TTFT, latency, the gaps between tokens, TPOT.
 
-    request: Request
-    start_s: float = float("nan")  # its prefill began
-    tokens: list[int] = field(default_factory=list)
-    token_s: list[float] = field(default_factory=list)  # when each token existed
+    For anything with ``request.arrival_s`` and ``token_s`` (when each token existed): a request
+    served here (:class:`Served`) or in the simulator (:class:`utils.simulator.SimResult`).
+    """
+
+    request: Any
+    token_s: Sequence[float]
 
     @property
     def ttft_s(self) -> float:
@@ -121,6 +122,26 @@ class Served:
     def gaps_s(self) -> list[float]:
         """Time between consecutive tokens."""
         return list(np.diff(self.token_s))
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token after the first: the mean gap (0 for a one-token answer)."""
+        return (self.token_s[-1] - self.token_s[0]) / (len(self.token_s) - 1) if len(self.token_s) > 1 else 0.0
+
+    @property
+    def max_tbt_s(self) -> float:
+        """The longest time between two of its tokens (0 for a one-token answer)."""
+        return max(self.gaps_s, default=0.0)
+
+
+@dataclass
+class Served(TokenTimes):
+    """One request as the engine served it (times in seconds on the engine clock)."""
+
+    request: Request
+    start_s: float = float("nan")  # its prefill began
+    tokens: list[int] = field(default_factory=list)
+    token_s: list[float] = field(default_factory=list)  # when each token existed
 
     def add(self, token: int, now: float) -> None:
         self.tokens.append(token)

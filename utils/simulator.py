@@ -48,7 +48,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import roofline
-from .batching import Request, Served, poisson_arrivals
+from .batching import Request, Served, TokenTimes, poisson_arrivals
 from .errors import WorkbookError, check_count, check_number
 from .hardware import Accelerator
 from .plotting import COLORS, finish, new_axes, plot_measured, plot_predicted
@@ -172,8 +172,11 @@ class SimRequest:
 
 
 @dataclass(frozen=True)
-class SimResult:
-    """What happened to one request in the simulation (times in seconds on the cluster clock)."""
+class SimResult(TokenTimes):
+    """What happened to one request in the simulation (times in seconds on the cluster clock).
+
+    TTFT, latency, gaps, TPOT and the worst gap as for a real run (:class:`utils.batching.TokenTimes`).
+    """
 
     request: SimRequest
     machine: str  # where it decoded: "colocated 0", "decode 1"
@@ -181,32 +184,8 @@ class SimResult:
     token_s: tuple[float, ...]  # when each output token existed
 
     @property
-    def ttft_s(self) -> float:
-        return self.token_s[0] - self.request.arrival_s
-
-    @property
     def finish_s(self) -> float:
         return self.token_s[-1]
-
-    @property
-    def latency_s(self) -> float:
-        """Arrival to last token."""
-        return self.token_s[-1] - self.request.arrival_s
-
-    @property
-    def gaps_s(self) -> list[float]:
-        """Time between consecutive tokens."""
-        return list(np.diff(self.token_s))
-
-    @property
-    def tpot_s(self) -> float:
-        """Time per output token after the first: the mean gap (0 for a one-token answer)."""
-        return (self.token_s[-1] - self.token_s[0]) / (len(self.token_s) - 1) if len(self.token_s) > 1 else 0.0
-
-    @property
-    def max_tbt_s(self) -> float:
-        """The longest time between two of its tokens (0 for a one-token answer)."""
-        return max(self.gaps_s, default=0.0)
 
 
 def from_trace(trace: Sequence[Request]) -> list[SimRequest]:
