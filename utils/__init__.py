@@ -12,7 +12,8 @@ modules listed before it (``tests/test_layering.py`` checks it).
 - ``plotting``      one consistent plot style
 - ``tokens``        byte-level BPE pieces, chat prompts, filler prompts of exact length
 - ``sampling``      greedy, temperature, top-k, top-p, seeded
-- ``models``        load the embedded default model (offline) or another one; its spec; the test model
+- ``models``        load the embedded default model (offline) or another one; its spec; the test model; shape-only models
+- ``peer``          llama.cpp, the peer engine, on the embedded GGUF file (optional; built on first use)
 - ``llama``         a hand-written Llama forward pass and its preallocated KV cache
 - ``phases``        prefill / decode / extend through transformers (one backend)
 - ``llama_phases``  prefill / decode / extend through the hand-written model (the other backend)
@@ -24,6 +25,7 @@ modules listed before it (``tests/test_layering.py`` checks it).
 - ``verdicts``      conclusions computed from this run's numbers (which is faster, what bounds decode)
 - ``quant``         weight-only int8 / int4 quantization (reference and PyTorch kernels), any layer width
 - ``variants``      judging a model variant against its baseline: bytes, perplexity, agreement, speed-up
+- ``fast``          the fast path: static cache, hot loop, the one-token step compiled once; the roofline table's rows
 - ``speculative``   speculative decoding: drafts (prompt lookup, early exit, int4 copy), verify, accept, roll back
 - ``checks``        the labs' check functions: a verdict that says what is wrong
 - ``chapter``       the first cell of every chapter: load the model, print the setup
@@ -41,6 +43,6 @@ for _name in ("torchao", "torch.utils._pytree"):
 __version__ = "0.1.0"
 
 MODULE_ORDER = ("errors", "results", "device", "timing", "roofline", "hardware", "plotting", "tokens", "sampling",
-                "models", "llama", "phases", "llama_phases", "engine", "batching", "simulator", "paged", "meter", "verdicts", "quant", "variants", "speculative", "checks",
+                "models", "peer", "llama", "phases", "llama_phases", "engine", "batching", "simulator", "paged", "meter", "verdicts", "quant", "variants", "fast", "speculative", "checks",
                 "chapter", "bench", "report")
 """The package's modules, bottom to top: each imports only modules before it."""

@@ -1,6 +1,7 @@
 """Reference benchmark: prefill and decode of the configured model on this machine.
 
     python -m utils.bench [--prompt-tokens 128 512] [--new-tokens 64] [--repeats 3]
+                          [--fast-path] [--contexts 128 1024] [--quick] [--no-llama-cpp]
 
 Measures, with the workbook's protocol (warm-up, repeats, median): memory bandwidth
 and matmul FLOP/s of the device, prefill tok/s at each prompt length, decode tok/s
@@ -9,23 +10,37 @@ for both); then the decode ceiling ``bandwidth / bytes per token`` and the share
 reached. Prints a readable table, then one JSON line last (machine-readable, for
 collecting results from many machines: ``make bench | tail -1``).
 
+``--fast-path`` adds the roofline lab's table (:mod:`utils.fast`), in the same process and
+run, on the same prompt and output length, at each ``--contexts`` length: transformers
+(as loaded and in bf16), the hand-written eager loop, the static cache + hot loop, the
+compiled step in bf16 (and float32), the compiled int8 and int4 (+ int8 head) copies, and
+llama.cpp on the embedded GGUF file (``llama-cpp-python``, installed on first use by
+``make bench``; when it is missing its row says why). Each row: tok/s, MB read per token,
+share of the measured-bandwidth ceiling, speed-up over transformers bf16, greedy-token
+agreement, compile seconds. ``--quick`` (CI): the compiled bf16 and int4 rows only.
+
 Model, device and dtype follow ``WORKBOOK_MODEL`` / ``WORKBOOK_DEVICE`` /
-``WORKBOOK_DTYPE`` or the flags.
+``WORKBOOK_DTYPE`` or the flags; ``shape:<name>`` models are accepted (speeds only).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from typing import Any
 
+import torch
+
+from . import fast, peer, quant
 from .engine import decode_speed, generate, measure_prefill
 from .hardware import describe_machine, measure_matmul_flops, probe_bandwidth
 from .llama import Llama
-from .models import LoadedModel, load_model
+from .models import EMBEDDED, LoadedModel, load_model
 from .roofline import decode_bytes_per_token, decode_ceiling_tok_s
 from .tokens import filler_ids
+from .variants import bytes_read_per_token
 
 
 def decode_both_backends(lm: LoadedModel, prompt_tokens: int, new_tokens: int, repeats: int) -> dict[str, Any]:
@@ -68,6 +83,126 @@ def run(lm: LoadedModel, prompt_lengths: list[int], new_tokens: int, repeats: in
     }
 
 
+# ----------------------------------------------------------------------------- the fast path
+
+
+def fast_models(lm: LoadedModel, quick: bool) -> dict[str, Llama]:
+    """The hand-written model in each form the table measures, keyed by its weights' name."""
+    base = Llama.from_hf(lm.model)
+    fp32 = base if base.dtype == torch.float32 else copy.deepcopy(base).float()
+    forms = {"bfloat16": copy.deepcopy(fp32).to(torch.bfloat16) if base.dtype != torch.bfloat16 else base,
+             "int4 g32 + int8 head": quant.quantized_copy(fp32, 4, 8)}
+    if not quick:
+        forms["float32"] = fp32
+        forms["int8"] = quant.quantized_copy(fp32, 8, 8)
+    return forms
+
+
+def fast_rows_at(lm: LoadedModel, forms: dict[str, Llama], context: int, new_tokens: int,
+                 repeats: int) -> list[fast.Row]:
+    """Every row of the table at one context length (see the module docstring)."""
+    ids, n, length = filler_ids(lm.tokenizer, context, lm.device), new_tokens, fast.static_length(context, new_tokens)
+    bf16 = forms["bfloat16"]
+    hf_bf16 = lm.model if lm.dtype == torch.bfloat16 else copy.deepcopy(lm.model).to(torch.bfloat16)
+    rows = [fast.eager_row("transformers", m, ids, n, weights=str(m.dtype).removeprefix("torch."),
+                           repeats=repeats, bytes_per_token=fast.step_bytes(bf16, context + n // 2) * m.dtype.itemsize / 2)
+            for m in [lm.model] + ([hf_bf16] if hf_bf16 is not lm.model else [])]
+    eager = fast.eager_row("hand-written eager loop", bf16, ids, n, weights="bfloat16", repeats=repeats,
+                           bytes_per_token=fast.step_bytes(bf16, context + n // 2))
+    static = fast.decoder_row("static cache + hot loop", fast.FastDecoder.build(bf16, length, compiled=False),
+                              ids, n, weights="bfloat16", reference=torch.tensor(eager.tokens),
+                              what="eager bf16", repeats=repeats)
+    rows += [eager, static]
+    for weights, model in forms.items():
+        reference = torch.tensor(static.tokens) if model is bf16 else generate(model, ids, n)[0]
+        what = "static eager bf16" if model is bf16 else f"its own eager loop"
+        decoder = fast.FastDecoder.build(model, length, compiled=True, label=weights)
+        rows.append(fast.decoder_row("compiled step", decoder, ids, n, weights=weights,
+                                     reference=reference, what=what, repeats=repeats))
+    return rows
+
+
+def llama_cpp_row(lm: LoadedModel, context: int, new_tokens: int, repeats: int,
+                  fp32_tokens: list[int]) -> tuple[fast.Row | None, str]:
+    """llama.cpp on the embedded Q4_1 file, or (None, why not)."""
+    if lm.name != EMBEDDED or lm.device.type != "cpu":
+        return None, "only for the embedded model on the CPU (its GGUF file is what llama.cpp reads)"
+    why = peer.ensure_installed()
+    if why:
+        return None, why
+    ids = filler_ids(lm.tokenizer, context)[0].tolist()
+    try:
+        r = peer.llama_cpp_speed(ids, new_tokens, repeats=repeats)
+    except Exception as exc:  # a peer that fails must not stop the benchmark: its row says why
+        return None, f"llama.cpp failed: {type(exc).__name__}: {exc}"
+    file_bytes = peer.embedded_gguf().stat().st_size
+    return fast.Row(r.engine, f"{r.weights} (GGUF file)", context, r.decode_tok_s, float(file_bytes),
+                    fast.agreement(r.tokens, fp32_tokens, "eager float32"), tokens=r.tokens), ""
+
+
+TARGETS = {"bf16 share of ceiling": 0.8, "bf16 over transformers bf16": 3.5, "quantized over llama.cpp": 1.2}
+"""The issue's targets for the fast path, as ratios within one run."""
+
+
+def targets_at(rows: list[fast.Row], bandwidth: float) -> dict[str, Any]:
+    """The fast path against :data:`TARGETS` at one context (None where a row is missing)."""
+    by = {(r.name, r.weights): r for r in rows}
+    compiled_bf16, hf_bf16 = by.get(("compiled step", "bfloat16")), by.get(("transformers", "bfloat16"))
+    quantized = [r for r in rows if r.name == "compiled step" and r.weights.startswith("int")]
+    best_q = max(quantized, key=lambda r: r.tok_s, default=None)
+    peer_row = next((r for r in rows if r.name.startswith("llama.cpp")), None)
+    return {
+        "bf16 share of ceiling": compiled_bf16 and round(compiled_bf16.share(bandwidth), 3),
+        "bf16 over transformers bf16": compiled_bf16 and hf_bf16 and round(compiled_bf16.tok_s / hf_bf16.tok_s, 2),
+        "bf16 tokens": compiled_bf16 and compiled_bf16.agree,
+        "quantized over llama.cpp": best_q and peer_row and round(best_q.tok_s / peer_row.tok_s, 2),
+        "best quantized": best_q and f"{best_q.weights}: {best_q.agree}",
+    }
+
+
+def run_fast_path(lm: LoadedModel, contexts: list[int], new_tokens: int, repeats: int, quick: bool,
+                  bandwidth: float, with_llama_cpp: bool = True) -> dict[str, Any]:
+    """The fast-path table at each context, the kernels' own speed, llama.cpp and the targets."""
+    forms = fast_models(lm, quick)
+    kernels = {w: round(bytes_read_per_token(m) / fast.projections_seconds(m) / 1e9, 2) for w, m in forms.items()}
+    out: dict[str, Any] = {"rows": [], "kernel_GBps": kernels, "targets": {}, "llama_cpp": "not asked for"}
+    for context in contexts:
+        rows = fast_rows_at(lm, forms, context, new_tokens, repeats)
+        if with_llama_cpp:
+            fp32 = next((r for r in rows if r.weights == "float32"), None)
+            fp32_tokens = fp32.tokens if fp32 else generate(copy.deepcopy(forms["bfloat16"]).float(),
+                                                            filler_ids(lm.tokenizer, context, lm.device), new_tokens)[0].tolist()
+            peer_row, out["llama_cpp"] = llama_cpp_row(lm, context, new_tokens, repeats, fp32_tokens)
+            rows += [peer_row] if peer_row else []
+            out["llama_cpp"] = out["llama_cpp"] or "ok"
+        baseline = next(r for r in rows if r.name == "transformers" and r.weights == "bfloat16")
+        print_rows_at(rows, bandwidth, baseline, out["llama_cpp"])
+        out["rows"] += [r.as_dict(bandwidth, baseline.tok_s) for r in rows]
+        out["targets"][str(context)] = targets_at(rows, bandwidth)
+    return out
+
+
+def print_rows_at(rows: list[fast.Row], bandwidth: float, baseline: fast.Row, peer_note: str) -> None:
+    """One context's table, as it is measured (a long run shows its progress)."""
+    print(f"\nfast path at {rows[0].context} tokens of context (ceiling = {bandwidth / 1e9:.1f} GB/s ÷ MB/tok; "
+          f"speed-up over transformers bf16):")
+    fast.print_rows(rows, bandwidth, baseline)
+    if peer_note != "ok":
+        print(f"{rows[0].context:>7}  llama.cpp: no row ({peer_note})")
+
+
+def print_targets(fp: dict[str, Any]) -> None:
+    """Each target, met or not, from this run's numbers; and what the matmul kernels allow."""
+    print("kernels      projections alone read their weights at " +
+          ", ".join(f"{w} {v} GB/s" for w, v in fp["kernel_GBps"].items()))
+    for context, got in fp["targets"].items():
+        parts = []
+        for name, floor in TARGETS.items():
+            v = got.get(name)
+            parts.append(f"{name} {'n/a' if v is None else v} ({'no row' if v is None else 'met' if v >= floor else 'not met'}, target {floor})")
+        print(f"targets @{context:>5}  " + "; ".join(parts))
+
+
 def print_table(r: dict[str, Any]) -> None:
     """The figures, readable."""
     m = r["machine"]
@@ -81,6 +216,8 @@ def print_table(r: dict[str, Any]) -> None:
     print(f"decode       transformers {r['decode_tok_s_transformers']} tok/s; hand-written "
           f"{r['decode_tok_s_hand_written']} tok/s (greedy tokens agree {r['decode_tokens_agree']}); ceiling (prediction) {r['decode_ceiling_tok_s']} tok/s; "
           f"transformers reaches {100 * r['decode_share_of_ceiling']:.0f}% of it")
+    if "fast_path" in r:
+        print_targets(r["fast_path"])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -91,10 +228,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=[128, 512])
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--fast-path", action="store_true", help="add the roofline lab's table (compiles: minutes)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[128, 1024], help="fast-path context lengths")
+    p.add_argument("--quick", action="store_true", help="fast path: compiled bf16 and int4 rows only (CI)")
+    p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out of the fast-path table")
     a = p.parse_args(argv)
     start = time.perf_counter()
     lm = load_model(a.model, a.device, a.dtype)
+    if lm.random_weights:
+        print(f"{lm.name}: random weights. Speeds are real; the tokens mean nothing (agreement still counts).")
     result = run(lm, sorted(a.prompt_tokens), a.new_tokens, a.repeats)
+    if a.fast_path:
+        result["fast_path"] = run_fast_path(lm, sorted(a.contexts), a.new_tokens, a.repeats, a.quick,
+                                            result["bandwidth_GBps"] * 1e9, not a.no_llama_cpp)
     result["bench_seconds"] = round(time.perf_counter() - start, 1)
     print_table(result)
     print(json.dumps(result))

@@ -10,6 +10,11 @@ Another model is one setting away: ``WORKBOOK_MODEL`` (or the ``name`` argument)
 may name a hub id or a local folder. ``WORKBOOK_DEVICE`` and ``WORKBOOK_DTYPE``
 override the device (cuda > mps > cpu) and the dtype.
 
+Shape-only models: ``shape:<name>`` (e.g. ``shape:llama-3.2-1b``; :data:`SHAPES` lists them)
+builds a model of that architecture's exact sizes with random weights and the default
+tokenizer, so the speed of a model that is not downloaded can be measured offline:
+bytes are bytes. Its tokens mean nothing (``LoadedModel.random_weights`` is True).
+
 Note: the embedded weights were distributed at 4 bits, so its "float32 baseline"
 already carries 4-bit rounding. Quality comparisons against it say so.
 """
@@ -28,7 +33,7 @@ from typing import Any
 import torch
 
 from . import roofline
-from .device import dtype_name, pick_device, resolve_dtype
+from .device import check_fits, dtype_name, pick_device, resolve_dtype
 from .errors import OutOfMemoryError, UnknownModelError
 
 EMBEDDED = "SmolLM2-135M-Instruct"
@@ -207,6 +212,9 @@ def load_model(name: str | None = None, device: str | torch.device | None = None
     dev = pick_device(device)
     dt = resolve_dtype(dtype, dev)
     chosen = resolve_name(name)
+    if chosen.lower().startswith(SHAPE_PREFIX):
+        model, tok = load_shape_model(chosen, dev, dt)
+        return LoadedModel(chosen, model.eval(), tok, model_spec(model, chosen), dev, dt)
     source: str | Path = prepare_embedded(verbose=False) if chosen == EMBEDDED else chosen
     model, tok = _from_pretrained(source, dt)
     try:
@@ -218,6 +226,75 @@ def load_model(name: str | None = None, device: str | torch.device | None = None
 
 
 TEST_MODEL = "workbook-test-llama"
+SHAPE_PREFIX = "shape:"
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192, "rope_theta": 500_000.0}
+SHAPES: dict[str, dict[str, Any]] = {
+    # the sizes of each model's published config.json (LlamaConfig fields); weights are random
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+                         rope_theta=100_000.0, max_position_embeddings=8192),
+    "smollm2-360m": dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
+                         num_key_value_heads=5, vocab_size=49152, tie_word_embeddings=True,
+                         rope_theta=100_000.0, max_position_embeddings=8192),
+    "smollm2-1.7b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
+                         num_key_value_heads=32, vocab_size=49152, tie_word_embeddings=True,
+                         rope_theta=130_000.0, max_position_embeddings=8192),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                         rope_parameters=_LLAMA3_ROPE, max_position_embeddings=131072),
+    "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=True,
+                         rope_parameters=_LLAMA3_ROPE, max_position_embeddings=131072),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+                         rope_parameters={**_LLAMA3_ROPE, "factor": 8.0}, max_position_embeddings=131072),
+}
+"""Shape-only models: ``WORKBOOK_MODEL=shape:<name>``."""
+
+
+def shape_config(name: str) -> Any:
+    """The LlamaConfig of shape-only model ``name`` (``llama-3.2-1b`` or ``shape:llama-3.2-1b``)."""
+    from transformers import LlamaConfig
+
+    key = name.removeprefix(SHAPE_PREFIX).strip().lower()
+    if key not in SHAPES:
+        raise UnknownModelError(f"No shape-only model {key!r}; known: {', '.join(SHAPES)} "
+                                f"(as WORKBOOK_MODEL=shape:<name>).")
+    config = LlamaConfig(**SHAPES[key], rms_norm_eps=1e-5)
+    config.workbook_random_weights = True
+    return config
+
+
+def _random_init_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Fill every parameter in place: norms with ones, the rest N(0, 0.02) (fast, seeded)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02, generator=gen)
+
+
+def load_shape_model(name: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    """A random-weight model with ``name``'s exact sizes, on ``device`` in ``dtype``, and the default tokenizer.
+
+    Raises :class:`OutOfMemoryError` (with the numbers) when its weights would not fit.
+    """
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = shape_config(name)
+    with torch.device("meta"):  # sizes only: no memory until to_empty, in the final dtype
+        model = LlamaForCausalLM(config).to(dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    check_fits(n_params * dtype.itemsize, device, what=f"{name} ({n_params / 1e9:.2f} B parameters in {dtype_name(dtype)})")
+    model = model.to_empty(device=device)
+    model.model.rotary_emb = LlamaRotaryEmbedding(config).to(device)  # a computed buffer, not a weight
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    _random_init_(model)
+    tok = AutoTokenizer.from_pretrained(prepare_embedded(verbose=False))
+    return model, tok
+
 
 
 def prepare_test_model(verbose: bool = True) -> Path:

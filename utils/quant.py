@@ -57,11 +57,14 @@ Judging a quantized copy against its baseline (perplexity, agreement, speed) is
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .llama import Llama, iter_linears, replace_linear
 
 INT8_MAX = 127
 INT4_MAX = 15  # 4 bits: levels 0 .. 15
@@ -406,6 +409,35 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"group_size={self.group_size}, path={self.path}")
+
+
+# ----------------------------------------------------------------------------- a quantized model
+
+
+def _quantized_layer(linear: nn.Linear, bits: int | None, group_size: int, dtype: torch.dtype) -> nn.Module:
+    if bits == 8:
+        return Int8Linear.from_linear(linear, dtype=dtype)
+    if bits == 4:
+        return Int4Linear.from_linear(linear, group_size, dtype=dtype)
+    if bits is None:
+        return copy.deepcopy(linear).to(dtype)
+    raise ValueError(f"bits must be 8, 4 or None (kept in {dtype}), got {bits!r}")
+
+
+def quantized_copy(model: Llama, bits: int | None = 4, head_bits: int | None = 8, group_size: int = 32,
+                   dtype: torch.dtype = torch.bfloat16) -> Llama:
+    """A copy of ``model`` in ``dtype`` whose layer projections have ``bits``-bit weights (int4 in groups
+    of ``group_size``, or int8) and whose LM head has ``head_bits`` (None: kept in ``dtype``).
+
+    The default, int4 layers with an int8 head, is the quantization lab's best variant: about a
+    sixth of the bytes and nearly the same greedy tokens (an int4 head changes them within a few).
+    ``model`` itself is not changed.
+    """
+    new = copy.deepcopy(model).to(dtype)
+    for name, linear in iter_linears(model):
+        replace_linear(new, name, _quantized_layer(linear, head_bits if name == "lm_head" else bits,
+                                                   group_size, dtype))
+    return new.eval()
 
 
 # ----------------------------------------------------------------------------- bytes

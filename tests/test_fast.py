@@ -1,0 +1,87 @@
+"""The fast path: same greedy tokens as the eager loop, one compile per cache shape, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_batching import tiny_hf
+
+from utils import engine, fast, quant
+from utils.errors import WorkbookError
+from utils.llama import Llama
+
+IDS = torch.randint(1, 96, (1, 12), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def model() -> Llama:
+    return Llama.from_hf(tiny_hf())
+
+
+def test_static_length_rounds_up_to_the_bucket():
+    assert fast.static_length(128, 64) == 256
+    assert fast.static_length(200, 56) == 256 and fast.static_length(200, 57) == 512
+    assert fast.static_length(5, 3, bucket=4) == 8
+
+
+def test_hot_loop_makes_the_eager_loops_tokens(model):
+    want = engine.generate(model, IDS, 20)
+    assert torch.equal(fast.fast_generate(model, IDS, 20), want)
+    decoder = fast.FastDecoder.build(model, 64, compiled=False)
+    assert torch.equal(decoder.generate(IDS, 20), want)
+    assert torch.equal(decoder.generate(IDS, 20), want)  # a second request reuses the cache
+
+
+def test_batch_rows_decode_like_single_rows(model):
+    ids = torch.cat([IDS, IDS.flip(1)])
+    decoder = fast.FastDecoder.build(model, 64, batch=2, compiled=False)
+    both = decoder.generate(ids, 10)
+    assert torch.equal(both[1:], engine.generate(model, IDS.flip(1), 10))
+
+
+def test_compiled_step_compiles_once_over_whole_generations(model):
+    decoder = fast.FastDecoder.build(model, 64, compiled=True, backend="eager")
+    before = fast.compile_count()
+    reasons = fast.explain_recompiles(lambda: [decoder.generate(IDS, 24) for _ in range(3)])
+    assert fast.compile_count() - before == 1, reasons
+    assert reasons == []
+    assert torch.equal(decoder.generate(IDS, 24), engine.generate(model, IDS, 24))
+
+
+def test_a_recompile_is_explained(model):
+    decoder = fast.FastDecoder.build(model, 64, compiled=True, backend="eager")
+    decoder.generate(IDS, 4)
+    step = decoder.step
+    with torch.inference_mode():
+        reasons = fast.explain_recompiles(lambda: step(torch.tensor([[3]], dtype=torch.int32), torch.tensor([20])))
+    assert reasons and any("token" in r for r in reasons), reasons  # int32 ids: a new dtype, a new graph
+
+
+def test_inductor_compiled_step_makes_the_eager_tokens(model):
+    """The real compiler, on a tiny model (the short test setting): same greedy tokens, one compile."""
+    decoder = fast.FastDecoder.build(model, 64, compiled=True)
+    before = fast.compile_count()
+    assert torch.equal(decoder.generate(IDS, 16), engine.generate(model, IDS, 16))
+    assert torch.equal(decoder.generate(IDS.flip(1), 16), engine.generate(model, IDS.flip(1), 16))
+    assert fast.compile_count() - before == 1
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_fast_path_matches_its_own_eager_loop(model, bits):
+    copy = quant.quantized_copy(model, bits=bits, head_bits=bits, dtype=torch.float32)
+    decoder = fast.FastDecoder.build(copy, 64, compiled=True, backend="eager")
+    assert torch.equal(decoder.generate(IDS, 16), engine.generate(copy, IDS, 16))
+
+
+def test_decode_past_the_static_cache_is_refused(model):
+    decoder = fast.FastDecoder.build(model, 16, compiled=False)
+    with pytest.raises(WorkbookError, match="do not fit the static cache of 16 slots"):
+        decoder.generate(IDS, 8)
+
+
+def test_projections_seconds_times_every_projection(model):
+    seconds = fast.projections_seconds(model, repeats=3)
+    assert 0 < seconds < 1
+    row = fast.Row("x", "float32", 12, tok_s=10.0, bytes_per_token=2e6)
+    assert row.share(4e7) == pytest.approx(0.5)
+    assert row.as_dict(4e7, baseline_tok_s=5.0)["speedup"] == 2.0

@@ -1,0 +1,340 @@
+"""The fast path: decode near the bandwidth ceiling with stock PyTorch.
+
+Why eager decode misses its ceiling on a small model: one decode step reads every
+weight once, but in eager mode it also pays, for each of a few hundred small ops,
+Python, the dispatcher, an allocation and (on a CPU) the start of a parallel region.
+For a 135 M model those fixed costs are as large as the reading itself. The cure is
+to do less per step, in this order (each is a row of the roofline lab's table):
+
+1. **A static KV cache and a hot loop.** The cache is allocated once, sized to the
+   request (prompt + new tokens, rounded up to :data:`BUCKET` slots), and every step
+   attends over all its slots (the unfilled ones masked), so a step's shapes never
+   change. The loop keeps the position as a device tensor advanced in place, picks
+   the greedy token inside the step, and writes it into a preallocated output: no
+   allocation, no host sync and no Python work per step beyond the call.
+2. **A smaller dtype** (bf16; fp16 on GPUs): half the bytes to read.
+3. **Compile the one-token step** (:func:`compile_step`): ``torch.compile`` with
+   ``fullgraph=True`` fuses the small ops into a few kernels; on a CPU, inductor's
+   *freezing* treats the weights as constants (pre-packed for oneDNN); on a GPU,
+   CUDA graphs replay the whole step with one launch. It compiles **once per cache
+   shape**: everything the step reads is a tensor or a constant of that shape
+   (:class:`DecodeStep`), so nothing in it changes from step to step and dynamo has no
+   reason to recompile (:func:`compile_count` counts, :func:`explain_recompiles` shows why).
+4. **Weight-only int8 / int4 kernels** (:mod:`utils.quant`): fewer bytes again.
+
+:func:`fast_generate` runs a request through a :class:`FastDecoder` (prefill eager,
+decode through the possibly compiled step) and returns the same greedy tokens as
+:func:`utils.engine.generate` in the same dtype; :func:`fast_decode_speed` times its
+decode loop the way :func:`utils.engine.decode_speed` times the eager one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from . import engine, llama_phases
+from .errors import WorkbookError, check_prompt_length, check_token_count
+from .llama import KVCache, Llama, iter_linears
+from .timing import Timing, measure, synchronize
+from .variants import bytes_read_per_token, tokens_agreed
+
+BUCKET = 256
+"""Static caches are rounded up to a multiple of this many slots, so requests of similar
+length share one compiled step (a 128-token prompt + 64 new tokens -> 256 slots)."""
+
+
+def static_length(prompt_tokens: int, new_tokens: int, bucket: int = BUCKET) -> int:
+    """Slots of the static cache for a request: ``prompt + new`` rounded up to ``bucket``."""
+    need = prompt_tokens + new_tokens
+    return -(-need // bucket) * bucket
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+class DecodeStep(nn.Module):
+    """One greedy decode step of ``model`` over one static ``cache``.
+
+    ``forward(token [B, 1], slot [1]) -> next token [B]``. It writes the token's K/V at
+    ``slot``, attends over all ``cache.max_len`` slots (a mask hides the unfilled ones)
+    and takes the argmax inside the step, so only a [B] tensor leaves it. Every input
+    is a tensor of a fixed shape and ``kv_len`` is a constant: a compiled copy of this
+    module compiles once and is replayed for every token of every request that fits.
+    """
+
+    def __init__(self, model: Llama, cache: KVCache) -> None:
+        super().__init__()
+        self.model, self.cache, self.kv_len = model, cache, cache.max_len
+
+    def forward(self, token: Tensor, slot: Tensor) -> Tensor:
+        logits = self.model(token, slot, self.cache, self.kv_len)  # [B, 1, V]
+        return logits[:, -1].argmax(dim=-1)  # [B]
+
+
+def compile_options(device: torch.device, mode: str | None = None) -> dict[str, Any]:
+    """The ``torch.compile`` arguments for a decode step on ``device``.
+
+    GPU: ``reduce-overhead`` (CUDA graphs: the whole step is one launch). CPU: ``default``
+    (inductor fuses the element-wise ops and, with freezing, calls oneDNN's pre-packed
+    linear); ``$WORKBOOK_COMPILE_MODE`` or ``mode`` overrides, e.g. ``max-autotune-no-cudagraphs``.
+    """
+    chosen = mode or os.environ.get("WORKBOOK_COMPILE_MODE") or (
+        "reduce-overhead" if device.type == "cuda" else "default")
+    return {"mode": chosen, "fullgraph": True, "dynamic": False}
+
+
+def compile_step(step: DecodeStep, mode: str | None = None, backend: str = "inductor") -> Callable[..., Tensor]:
+    """``torch.compile`` of one :class:`DecodeStep` (whole graph, static shapes).
+
+    On a CPU it turns on inductor's freezing (weights become constants: pre-packed once).
+    Everywhere it asks inductor to round every intermediate to the dtype as eager does
+    (``emulate_precision_casts``): a fused bf16 kernel that kept float32 in between would
+    change greedy tokens after a few dozen, and the fast path must make the eager loop's tokens.
+    ``backend="eager"`` traces without generating code: what a unit test of the compile
+    count needs, in a second instead of a minute.
+    """
+    device = step.cache.k.device
+    if backend == "inductor":
+        import torch._inductor.config as inductor_config
+
+        inductor_config.emulate_precision_casts = True
+        inductor_config.freezing = device.type == "cpu"
+    options = compile_options(device, mode)
+    if backend != "inductor":
+        options.pop("mode")
+    return torch.compile(step, backend=backend, **options)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class FastDecoder:
+    """A model, a static cache sized for ``max_len`` slots and its (compiled) step.
+
+    Build it once with :meth:`build`; :meth:`generate` then serves any request whose
+    prompt + new tokens fit in ``max_len``. ``compile_s`` is the first call's extra
+    time (tracing and code generation), reported apart from the decode speed.
+    """
+
+    model: Llama
+    cache: KVCache
+    step: Callable[..., Tensor]
+    compiled: bool
+    compile_s: float = 0.0
+    label: str = ""
+    calls: int = field(default=0, repr=False)
+
+    @classmethod
+    def build(cls, model: Llama, max_len: int, batch: int = 1, compiled: bool = True,
+              mode: str | None = None, backend: str = "inductor", label: str = "") -> "FastDecoder":
+        cache = llama_phases.new_cache(model, batch, max_len, static=True)
+        step = DecodeStep(model, cache)
+        fn = compile_step(step, mode, backend) if compiled else step
+        return cls(model, cache, fn, compiled, label=label)
+
+    @torch.inference_mode()
+    def prefill(self, ids: Tensor) -> Tensor:
+        """Eager prefill of ``ids`` [B, T] into the static cache; the first greedy token [B]."""
+        check_prompt_length(ids.shape[-1], self.cache.max_len)
+        return llama_phases.prefill(self.model, self.cache, ids).argmax(dim=-1)
+
+    @torch.inference_mode()
+    def decode(self, token: Tensor, n: int) -> Tensor:
+        """``n`` greedy steps after ``token`` [B]: the new tokens [B, n].
+
+        The hot loop: the slot is a device tensor advanced in place, each token is
+        written into a preallocated output, nothing waits for the device.
+        """
+        start = self.cache.length
+        if start + n > self.cache.max_len:
+            raise WorkbookError(f"{n} more tokens after {start} do not fit the static cache of "
+                                f"{self.cache.max_len} slots: build the decoder with a larger max_len.")
+        out = token.new_empty(token.shape[0], n)
+        slot = torch.tensor([start], device=token.device)
+        token = token.view(-1, 1)
+        for i in range(n):
+            nxt = self.step(token, slot)  # [B]
+            out[:, i] = nxt
+            token = nxt.view(-1, 1)
+            slot += 1
+        self.cache.length = start + n
+        self.calls += n
+        return out
+
+    def warm_up(self, ids: Tensor, n: int = 2) -> float:
+        """Run one short request (compiling, if the step is compiled); returns its seconds."""
+        synchronize(self.cache.k.device)
+        t0 = time.perf_counter()
+        self.decode(self.prefill(ids), n)
+        synchronize(self.cache.k.device)
+        seconds = time.perf_counter() - t0
+        if self.compiled and not self.compile_s:
+            self.compile_s = seconds
+        return seconds
+
+    def generate(self, ids: Tensor, max_new_tokens: int) -> Tensor:
+        """Greedy: the new tokens [B, max_new_tokens] (the first from prefill, the rest decoded)."""
+        check_token_count(max_new_tokens)
+        first = self.prefill(ids)
+        rest = self.decode(first, max_new_tokens - 1)
+        return torch.cat([first[:, None], rest], dim=1)
+
+
+def fast_generate(model: Llama, ids: Tensor, max_new_tokens: int, compiled: bool = False) -> Tensor:
+    """One request through a fresh :class:`FastDecoder` (greedy): the new tokens [B, n]."""
+    ids = ids if ids.dim() == 2 else ids.view(1, -1)
+    check_prompt_length(ids.shape[1], model.args.max_context, max_new_tokens)
+    decoder = FastDecoder.build(model, static_length(ids.shape[1], max_new_tokens), ids.shape[0], compiled)
+    return decoder.generate(ids, max_new_tokens)
+
+
+def fast_decode_speed(decoder: FastDecoder, ids: Tensor, n_tokens: int, *, repeats: int = 3,
+                      warmup: int = 1) -> Timing:
+    """Time ``n_tokens`` decode steps of ``decoder`` after an untimed prefill of ``ids``."""
+    timing = measure(lambda first: decoder.decode(first, n_tokens), setup=lambda: decoder.prefill(ids),
+                     warmup=warmup, repeats=repeats, device=decoder.cache.k.device,
+                     desc=f"decode {n_tokens} ({decoder.label or 'fast'})")
+    return timing
+
+
+# ----------------------------------------------------------------------------- compiles, counted
+
+
+def compile_count() -> int:
+    """Frames dynamo has compiled in this process so far (a recompile adds one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def explain_recompiles(fn: Callable[[], Any]) -> list[str]:
+    """Run ``fn`` and return dynamo's reason for every recompile it caused (empty: none)."""
+    import logging
+
+    reasons: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            reasons.append(record.getMessage())
+
+    log = logging.getLogger("torch._dynamo.guards.__recompiles")  # what TORCH_LOGS=recompiles prints
+    handler, old = Catch(), log.level
+    torch._logging.set_logs(recompiles=True)
+    log.addHandler(handler)
+    try:
+        fn()
+    finally:
+        log.removeHandler(handler)
+        torch._logging.set_logs(recompiles=False)
+        log.setLevel(old)
+    return reasons
+
+
+@torch.inference_mode()
+def projections_seconds(model: Llama, repeats: int = 5) -> float:
+    """Seconds one decode step spends in its projections alone: every layer of
+    :func:`~utils.llama.iter_linears` applied once to one row, nothing else (median of ``repeats``).
+
+    ``bytes_read_per_token(model) / projections_seconds(model)`` is the speed at which this
+    device's matmul kernels read these weights: the ceiling that the *kernels* allow, which can
+    sit far below the one the memory allows (a bf16 matrix-vector product that converts each
+    weight to float32 on the way can be compute-bound on a CPU).
+    """
+    layers = [m for _, m in iter_linears(model)]
+    rows = {m.in_features: torch.randn(1, m.in_features, dtype=model.dtype, device=model.device)
+            for m in layers}
+
+    def once() -> None:
+        for m in layers:
+            m(rows[m.in_features])
+
+    return measure(once, warmup=1, repeats=repeats, device=model.device, progress=False).median
+
+
+# ----------------------------------------------------------------------------- one row of the table
+
+
+@dataclass
+class Row:
+    """One way of decoding, measured: a row of the roofline lab's table and of ``make bench``.
+
+    ``bytes_per_token``: weights as stored plus the KV cache one step reads at this context.
+    ``agree``: leading greedy tokens equal to ``reference`` (the eager loop in the same dtype;
+    a quantized row: its own model's eager loop), e.g. ``"64/64 vs eager bfloat16"``.
+    """
+
+    name: str
+    weights: str
+    context: int
+    tok_s: float
+    bytes_per_token: float
+    agree: str = ""
+    compile_s: float | None = None
+    noisy: bool = False
+    tokens: list[int] = field(default_factory=list, repr=False)
+
+    def share(self, bandwidth: float) -> float:
+        """Share of the ceiling ``bandwidth / bytes_per_token`` this row reaches."""
+        return self.tok_s * self.bytes_per_token / bandwidth
+
+    def as_dict(self, bandwidth: float, baseline_tok_s: float) -> dict[str, Any]:
+        return {"name": self.name, "weights": self.weights, "context": self.context,
+                "tok_s": round(self.tok_s, 2), "bytes_per_token": int(self.bytes_per_token),
+                "share_of_ceiling": round(self.share(bandwidth), 3),
+                "speedup": round(self.tok_s / baseline_tok_s, 2), "agree": self.agree,
+                "compile_s": None if self.compile_s is None else round(self.compile_s, 1), "noisy": self.noisy}
+
+
+def step_bytes(model: Llama, context: int) -> float:
+    """Bytes one decode step reads at ``context`` tokens: the weights as stored plus the KV cache."""
+    a = model.args
+    kv = 2 * a.n_layers * a.n_kv_heads * a.head_dim * model.dtype.itemsize * context
+    return float(bytes_read_per_token(model) + kv)
+
+
+def agreement(tokens: Tensor | list[int], reference: Tensor | list[int], what: str) -> str:
+    """``"k/n vs <what>"``: leading tokens equal to the reference."""
+    n = len(torch.as_tensor(reference).flatten())
+    return f"{tokens_agreed(tokens, reference)}/{n} vs {what}"
+
+
+def eager_row(name: str, model: Any, ids: Tensor, n_tokens: int, *, weights: str, bytes_per_token: float,
+              reference: Tensor | None = None, what: str = "", repeats: int = 3) -> Row:
+    """A row for the eager loop of either backend (transformers or hand-written), via
+    :func:`utils.engine.decode_speed`, with its greedy tokens compared to ``reference``."""
+    tokens = engine.generate(model, ids, n_tokens)[0]
+    result = engine.decode_speed(model, ids, n_tokens, repeats=repeats)
+    agree = agreement(tokens, reference, what) if reference is not None else ""
+    return Row(name, weights, ids.shape[-1], result.tok_s, bytes_per_token, agree,
+               noisy=result.timing.noisy, tokens=tokens.tolist())
+
+
+def decoder_row(name: str, decoder: FastDecoder, ids: Tensor, n_tokens: int, *, weights: str,
+                reference: Tensor | None = None, what: str = "", repeats: int = 3) -> Row:
+    """A row for a :class:`FastDecoder` (its first call, the compile, timed apart)."""
+    if decoder.compiled and not decoder.compile_s:
+        decoder.warm_up(ids)
+    tokens = decoder.generate(ids, n_tokens)[0]
+    timing = fast_decode_speed(decoder, ids, n_tokens, repeats=repeats)
+    agree = agreement(tokens, reference, what) if reference is not None else ""
+    return Row(name, weights, ids.shape[-1], n_tokens / timing.median,
+               step_bytes(decoder.model, ids.shape[-1] + n_tokens // 2), agree,
+               decoder.compile_s if decoder.compiled else None, timing.noisy, tokens.tolist())
+
+
+def print_rows(rows: list[Row], bandwidth: float, baseline: Row) -> None:
+    """The table: tok/s, MB read per token, share of the ceiling, speed-up over ``baseline``, agreement, compile s."""
+    print(f"{'context':>7}  {'row':<34} {'weights':<20} {'tok/s':>7} {'MB/tok':>7} {'ceiling':>8} "
+          f"{'speed-up':>8}  {'compile':>8}  greedy tokens")
+    for r in rows:
+        compile_s = f"{r.compile_s:.0f} s" if r.compile_s else ""
+        flag = "  NOISY" if r.noisy else ""
+        print(f"{r.context:>7}  {r.name:<34} {r.weights:<20} {r.tok_s:>7.1f} {r.bytes_per_token / 1e6:>7.1f} "
+              f"{r.share(bandwidth):>8.0%} {r.tok_s / baseline.tok_s:>7.2f}x  {compile_s:>8}  {r.agree}{flag}")
