@@ -37,12 +37,14 @@ lab: setup
 # plots may differ, a failing assert still fails). WORKBOOK_QUICK=1 picks the
 # short measurement settings; learners get the full ones by default. Then every
 # chapter and lab again on the awkward test model: another model is one setting away.
-# make test also writes a quick report on the test model and validates its results.json.
+# make test first runs the benchmark's short setting (fast path and llama.cpp rows included),
+# and at the end writes a quick report on the test model and validates its results.json.
 CI_REPORT := $(CURDIR)/reports/ci-quick-test-model
 NBVAL := --nbval-lax --nbval-current-env --nbval-cell-timeout=900 -p no:cacheprovider
 TEST_MODEL := $(CURDIR)/.cache/models/workbook-test-llama
 
 test: setup
+	timeout 1800 $(PY) -m utils.bench $(BENCH_QUICK)
 	WORKBOOK_QUICK=1 timeout $(TEST_TIMEOUT) $(PY) -m pytest tests notebooks solutions -m "not browser" $(NBVAL)
 	WORKBOOK_QUICK=1 WORKBOOK_MODEL=$(TEST_MODEL) timeout 1500 $(PY) -m pytest notebooks solutions $(NBVAL)
 	WORKBOOK_MODEL=$(TEST_MODEL) timeout 900 $(PY) -m utils.report run --quick --out $(CI_REPORT)
@@ -65,9 +67,14 @@ unit: setup
 notebooks: setup
 	WORKBOOK_QUICK=1 $(PY) -m pytest notebooks solutions --nbval-lax --nbval-current-env
 
-# Reference benchmark: prefill and decode of the configured model, last line JSON.
+# Reference benchmark: prefill and decode of the configured model, then the fast-path table
+# (utils/fast.py: static cache, compiled step, int8/int4, against transformers and llama.cpp on the
+# embedded GGUF file) at 128 and 1,024 tokens of context; last line JSON. The first run builds
+# llama-cpp-python once (4-6 minutes on 2 cores, kept in .cache/wheels); `make bench QUICK=1` is
+# CI's short setting (make test runs it first, so the roofline lab finds llama.cpp installed).
+BENCH_QUICK := --fast-path --quick --contexts 128 --prompt-tokens 128 --new-tokens 16 --repeats 2
 bench: setup
-	$(PY) -m utils.bench
+	$(PY) -m utils.bench $(if $(filter-out 0,$(QUICK)),$(BENCH_QUICK),--fast-path)
 
 # The reference report: every chapter and solved lab executed on this machine, written to
 # reports/<machine-id>/ (each notebook as HTML, results.json, index.html). The learner's full

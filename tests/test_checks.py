@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import utils.checks as C
 from utils.checks import (CheckFailed, check_between, check_close, check_dtype, check_equal,
                           check_shape, check_true)
 
@@ -164,3 +165,57 @@ def test_quantization_lab_checks_fail_on_a_wrong_answer(function: str) -> None:
     with pytest.raises(CheckFailed):
         for _, source in cells[where + 1:]:
             exec(source, ns)
+
+
+# ----------------------------------------------------------------------------- the roofline lab's checks
+
+
+def _hot_loop(step, token, start, n, *, new_slot_each_step=False, off_by_one=False):
+    out = token.new_empty(token.shape[0], n)
+    slot = torch.tensor([start + (1 if off_by_one else 0)])
+    token = token.view(-1, 1)
+    for i in range(n):
+        nxt = step(token, torch.tensor([start + i]) if new_slot_each_step else slot)
+        out[:, i] = nxt
+        token = nxt.view(-1, 1)
+        slot += 1
+    return out
+
+
+def test_hot_loop_check_passes_the_solution_and_names_each_mistake(capsys):
+    C.check_hot_loop("hot", _hot_loop)
+    assert "✓ hot" in capsys.readouterr().out
+    with pytest.raises(C.CheckFailed, match="new slot tensor"):
+        C.check_hot_loop("hot", lambda *a: _hot_loop(*a, new_slot_each_step=True))
+    with pytest.raises(C.CheckFailed, match="slots 10 .. 15"):
+        C.check_hot_loop("hot", lambda *a: _hot_loop(*a, off_by_one=True))
+    with pytest.raises(C.CheckFailed, match="feed each new token back"):
+        C.check_hot_loop("hot", lambda step, token, start, n: _hot_loop(step, token.clone().zero_(), start, n))
+
+
+def test_compiles_once_check_passes_a_tensor_slot_and_fails_a_python_int():
+    from torch import nn
+
+    from utils import fast
+
+    C.check_compiles_once("step", fast.DecodeStep)
+
+    class PythonCounter(nn.Module):  # the position counted in a Python attribute: a new graph per value
+        def __init__(self, model, cache):
+            super().__init__()
+            self.model, self.cache, self.steps = model, cache, 0
+
+        def forward(self, token, slot):
+            pos = self.cache.length + self.steps
+            self.steps += 1
+            return self.model(token, torch.tensor([pos]), self.cache, self.cache.max_len)[:, -1].argmax(-1)
+
+    with pytest.raises(C.CheckFailed, match="compiled [0-9]+ times|failed"):
+        C.check_compiles_once("step", PythonCounter)
+
+    class WrongToken(fast.DecodeStep):
+        def forward(self, token, slot):
+            return super().forward(token, slot) * 0
+
+    with pytest.raises(C.CheckFailed, match="greedy tokens"):
+        C.check_compiles_once("step", WrongToken)

@@ -267,7 +267,7 @@ def decode_rows(model: Llama, rows: RowCache, tokens: Sequence[int], decoding: S
     if max(lengths) >= rows.cache.max_len:
         raise PromptTooLongError(f"A row of the cache is full ({rows.cache.max_len} slots): "
                                  "make the RowCache as long as the longest prompt + output.")
-    device = rows.cache.k.device
+    device = rows.cache.device
     slots = torch.tensor(lengths, device=device)[:, None]  # [n, 1]: each row its next slot
     ids = torch.tensor(list(tokens), device=device)[:, None]  # [n, 1]
     logits = model(ids, slots, rows.cache.rows(0, n), max(lengths) + 1)[:, -1]

@@ -113,9 +113,10 @@ def fast_rows_at(lm: LoadedModel, forms: dict[str, Llama], context: int, new_tok
                               ids, n, weights="bfloat16", reference=torch.tensor(eager.tokens),
                               what="eager bf16", repeats=repeats)
     rows += [eager, static]
-    for weights, model in forms.items():
-        reference = torch.tensor(static.tokens) if model is bf16 else generate(model, ids, n)[0]
-        what = "static eager bf16" if model is bf16 else f"its own eager loop"
+    for weights, model in forms.items():  # each against its own model's eager step, same static cache
+        reference = (torch.tensor(static.tokens) if model is bf16
+                     else fast.FastDecoder.build(model, length, compiled=False).generate(ids, n)[0])
+        what = f"static eager {weights.split()[0]}"
         decoder = fast.FastDecoder.build(model, length, compiled=True, label=weights)
         rows.append(fast.decoder_row("compiled step", decoder, ids, n, weights=weights,
                                      reference=reference, what=what, repeats=repeats))
@@ -234,6 +235,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out of the fast-path table")
     a = p.parse_args(argv)
     start = time.perf_counter()
+    if a.fast_path and not a.no_llama_cpp:
+        why = peer.ensure_installed()  # before measuring: a build must not share the CPU with a timing
+        print(f"llama.cpp: {why or 'installed'}", flush=True)
     lm = load_model(a.model, a.device, a.dtype)
     if lm.random_weights:
         print(f"{lm.name}: random weights. Speeds are real; the tokens mean nothing (agreement still counts).")

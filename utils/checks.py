@@ -7,6 +7,9 @@ assert) with a message that says what was expected, what was got, and where they
 differ. They accept torch tensors (any dtype or device), numpy arrays, Python numbers
 and nested lists of numbers.
 
+The roofline lab's checks (:func:`check_hot_loop`, :func:`check_compiles_once`) run the learner's loop
+on a step that records how it is called, and compile the learner's step on a tiny random Llama.
+
 The speculative-decoding lab's checks (:func:`check_greedy_acceptance`, :func:`check_sampling_rule`,
 :func:`check_speculative_output`) run the learner's function on cases built to catch the classic mistakes
 (an off-by-one acceptance, a cache not rolled back, a wrong residual distribution).
@@ -23,6 +26,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from . import engine, fast
+from .llama import Llama
 from .speculative import accept_greedy
 
 PASS_MARK = "✓"
@@ -285,3 +290,77 @@ def check_speculative_output(name: str, got: Any, want: Any) -> None:
                    f"{i} (got {got[i:i + 3]}, plain {want[i:i + 3]}). Did the cache roll back to the accepted "
                    "length after each verify pass?")
     passed(name, f"{len(got)} tokens, identical to plain greedy decoding")
+
+
+# ----------------------------------------------------------------------------- the fast path (roofline lab)
+
+
+class _RecordingStep:
+    """A fake one-token step: ``next = (7 * token + slot) % 97``; records each call's slot tensor."""
+
+    def __init__(self) -> None:
+        self.slots: list[Any] = []
+        self.seen: list[int] = []
+
+    def __call__(self, token: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        self.slots.append(slot)
+        self.seen.append(int(slot[0]))
+        return (7 * token.view(-1) + slot) % 97
+
+
+def check_hot_loop(name: str, fn: Any) -> None:
+    """``fn(step, token [B], start, n) -> [B, n]`` calls ``step(token [B, 1], slot [1])`` n times, at slots
+    start, start + 1, ..., feeding each new token back, and advances ONE slot tensor in place."""
+    step, token = _RecordingStep(), torch.tensor([3, 5])
+    got = fn(step, token, 10, 6)
+    want, t = [], token.clone()
+    for i in range(6):
+        t = (7 * t + 10 + i) % 97
+        want.append(t)
+    if len(step.seen) != 6:
+        fail(name, f"the step was called {len(step.seen)} times for 6 new tokens; call it once per token.")
+    if step.seen != list(range(10, 16)):
+        fail(name, f"the step saw slots {step.seen}; the tokens after a {10}-token cache go to slots 10 .. 15.")
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != (2, 6):
+        fail(name, f"returned {_type_name(got)} of shape {shape_of(got)}; return the new tokens as a tensor [B, n] = [2, 6].")
+    if not torch.equal(got, torch.stack(want, dim=1)):
+        fail(name, f"tokens {got.tolist()}, expected {torch.stack(want, dim=1).tolist()}: feed each new token back.")
+    if any(s is not step.slots[0] for s in step.slots):
+        fail(name, "a new slot tensor was made at some step: make it once before the loop and advance it "
+                   "in place (slot += 1), so the step never sees a new tensor (or a Python int).")
+    passed(name, "6 steps, one slot tensor advanced in place, tokens fed back")
+
+
+def _tiny_llama() -> Llama:
+    import transformers as tf
+
+    config = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                            eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    return Llama.from_hf(tf.LlamaForCausalLM(config).eval())
+
+
+def check_compiles_once(name: str, step_cls: Any) -> None:
+    """``step_cls(model, cache)`` is a module whose ``forward(token [B, 1], slot [1]) -> next token [B]``
+    compiles once (``fullgraph=True``) for a whole generation and makes the eager loop's greedy tokens."""
+    model = _tiny_llama()
+    ids = torch.tensor([[5, 9, 2, 7, 11]])
+    decoder = fast.FastDecoder.build(model, 32, compiled=False)
+    decoder.step = torch.compile(step_cls(model, decoder.cache), backend="eager", fullgraph=True, dynamic=False)
+    decoder.compiled = True
+    before = fast.compile_count()
+    try:
+        reasons = fast.explain_recompiles(lambda: decoder.generate(ids, 12))
+        got = decoder.generate(ids, 12)
+    except Exception as exc:  # the learner's step failed to trace or to run: say how
+        fail(name, f"compiling or running the step failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+    compiles = fast.compile_count() - before
+    if compiles != 1:
+        why = reasons[0].splitlines()[-1].strip() if reasons else "no reason logged"
+        fail(name, f"the step compiled {compiles} times over two generations of 12 tokens (first recompile: {why}). "
+                   "Everything that changes from step to step must be a tensor input, not a Python number.")
+    want = engine.generate(model, ids, 12)
+    if not torch.equal(got, want):
+        fail(name, f"greedy tokens {got.tolist()[0]}, the eager loop makes {want.tolist()[0]}.")
+    passed(name, "compiled once for two generations, the eager loop's tokens")

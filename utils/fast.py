@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from . import engine, llama_phases
 from .errors import WorkbookError, check_prompt_length, check_token_count
 from .llama import KVCache, Llama, iter_linears
-from .timing import Timing, measure, synchronize
+from .timing import Timing, measure, profile_self_time, synchronize
 from .variants import bytes_read_per_token, tokens_agreed
 
 BUCKET = 256
@@ -99,7 +99,7 @@ def compile_step(step: DecodeStep, mode: str | None = None, backend: str = "indu
     ``backend="eager"`` traces without generating code: what a unit test of the compile
     count needs, in a second instead of a minute.
     """
-    device = step.cache.k.device
+    device = step.cache.device
     if backend == "inductor":
         import torch._inductor.config as inductor_config
 
@@ -170,10 +170,10 @@ class FastDecoder:
 
     def warm_up(self, ids: Tensor, n: int = 2) -> float:
         """Run one short request (compiling, if the step is compiled); returns its seconds."""
-        synchronize(self.cache.k.device)
+        synchronize(self.cache.device)
         t0 = time.perf_counter()
         self.decode(self.prefill(ids), n)
-        synchronize(self.cache.k.device)
+        synchronize(self.cache.device)
         seconds = time.perf_counter() - t0
         if self.compiled and not self.compile_s:
             self.compile_s = seconds
@@ -199,7 +199,7 @@ def fast_decode_speed(decoder: FastDecoder, ids: Tensor, n_tokens: int, *, repea
                       warmup: int = 1) -> Timing:
     """Time ``n_tokens`` decode steps of ``decoder`` after an untimed prefill of ``ids``."""
     timing = measure(lambda first: decoder.decode(first, n_tokens), setup=lambda: decoder.prefill(ids),
-                     warmup=warmup, repeats=repeats, device=decoder.cache.k.device,
+                     warmup=warmup, repeats=repeats, device=decoder.cache.device,
                      desc=f"decode {n_tokens} ({decoder.label or 'fast'})")
     return timing
 
@@ -256,6 +256,21 @@ def projections_seconds(model: Llama, repeats: int = 5) -> float:
             m(rows[m.in_features])
 
     return measure(once, warmup=1, repeats=repeats, device=model.device, progress=False).median
+
+
+def profile_step(decoder: FastDecoder, ids: Tensor, n_tokens: int = 8) -> dict[str, float]:
+    """Seconds per decode step of ``decoder`` by kind of operator (matmul, attention, everything
+    else: :func:`utils.timing.op_kind`), from ``torch.profiler`` self times after a prefill.
+
+    A compiled step's fused element-wise kernels count under "everything else".
+    """
+    first = decoder.prefill(ids)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if decoder.cache.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        decoder.decode(first, n_tokens)
+    return {kind: us * 1e-6 / n_tokens for kind, us in profile_self_time(prof, decoder.cache.device).items()}
 
 
 # ----------------------------------------------------------------------------- one row of the table

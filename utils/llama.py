@@ -255,6 +255,10 @@ class KVCache(nn.Module):
         self.static = static
 
     @property
+    def device(self) -> torch.device:
+        return self.valid.device
+
+    @property
     def batch(self) -> int:
         return self.k.shape[1]
 
@@ -325,6 +329,47 @@ class KVCache(nn.Module):
         return view
 
 
+class StaticKVCache(KVCache):
+    """A static cache (``static=True``) whose layers are separate tensors: what a compiled step needs.
+
+    Each layer's keys and values are their own buffers ``k_{i}``, ``v_{i}`` [batch, n_kv_heads,
+    max_len, head_dim], not views of one stacked tensor: a compiled step then writes each
+    layer's new slot in place. (A write through a view of a stacked graph input makes the
+    compiler rebuild the whole stack at every layer of every step: at 1,024 tokens of context
+    that copying made the compiled step slower than eager.) Same interface as :class:`KVCache`.
+    """
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        nn.Module.__init__(self)
+        self.n_layers = n_layers
+        for i in range(n_layers):  # zeros: a static step reads unfilled slots (masked, but NaN x 0 = NaN)
+            for name in ("k", "v"):
+                self.register_buffer(f"{name}_{i}", torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype,
+                                                               device=device), persistent=False)
+        self.register_buffer("valid", torch.ones(batch, max_len, dtype=torch.bool, device=device), persistent=False)
+        self.register_buffer("n_pad", torch.zeros(batch, dtype=torch.long, device=device), persistent=False)
+        self.length, self.static = 0, True
+
+    @property
+    def batch(self) -> int:
+        return self.k_0.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.k_0.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for i in range(self.n_layers) for t in self.layer(i))
+
+    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        return getattr(self, f"k_{i}"), getattr(self, f"v_{i}")
+
+    def rows(self, start: int, stop: int) -> "KVCache":
+        raise NotImplementedError("a static cache serves whole batches: use a KVCache for per-row views")
+
+
 # ----------------------------------------------------------------------------- the model
 
 
@@ -374,8 +419,9 @@ class Llama(nn.Module):
         a = self.args
         nbytes = kv_cache_bytes(a.n_layers, a.n_kv_heads, a.head_dim, self.dtype.itemsize, max_len, batch)
         check_fits(nbytes, self.device, what=f"a KV cache for {batch} sequence(s) x {max_len} tokens")
-        return KVCache(a.n_layers, batch, a.n_kv_heads, max_len, a.head_dim,
-                       self.dtype, self.device, static)
+        if static:
+            return StaticKVCache(a.n_layers, batch, a.n_kv_heads, max_len, a.head_dim, self.dtype, self.device)
+        return KVCache(a.n_layers, batch, a.n_kv_heads, max_len, a.head_dim, self.dtype, self.device)
 
     def forward(self, tokens: Tensor, slots: Tensor, cache: KVCache, kv_len: int,
                 last_only: bool = False) -> Tensor:

@@ -82,8 +82,8 @@ def extend(model: Llama, cache: KVCache, tokens: Tensor, last_only: bool = False
             f"The cache holds {cache.max_len} tokens: {start} are filled and {T} more were given "
             f"({start + T} in all). Make a larger cache (new_cache(model, batch, max_len)).")
     check_token_ids(tokens, model.args.vocab_size)
-    slots = torch.arange(start, start + T, device=cache.k.device)  # [T]
-    logits = model(tokens.to(cache.k.device), slots, cache, start + T, last_only)
+    slots = torch.arange(start, start + T, device=cache.device)  # [T]
+    logits = model(tokens.to(cache.device), slots, cache, start + T, last_only)
     cache.length = start + T
     return logits
 
@@ -101,7 +101,7 @@ def prefill(model: Llama, cache: KVCache, input_ids: Tensor,
     if B != cache.batch:
         raise WorkbookError(f"The cache was made for batch {cache.batch}, the prompt has {B} rows.")
     check_prompt_length(T, cache.max_len)
-    mask = mask.to(cache.k.device)
+    mask = mask.to(cache.device)
     cache.length = 0
     cache.valid.fill_(True)
     cache.valid[:, :T] = mask  # padding slots are never attended to
@@ -122,7 +122,7 @@ def decode_one_token(model: Llama, cache: KVCache, token: Tensor,
         raise PromptTooLongError(
             f"The KV cache is full: {cache.max_len} of {cache.max_len} slots are used. "
             "Make the cache as large as prompt + new tokens.")
-    slots = torch.tensor([slot], device=cache.k.device)  # [1]
+    slots = torch.tensor([slot], device=cache.device)  # [1]
     kv_len = cache.max_len if cache.static else slot + 1
     run = model if step is None else step  # (a compiled module has no truth value)
     logits = run(token.view(-1, 1), slots, cache, kv_len)  # [B, 1, V]
@@ -136,6 +136,6 @@ def forward_no_cache(model: Llama, input_ids: Tensor, attention_mask: Tensor | N
     """Logits [B, T, V] of the whole sequence, computed from scratch (K/V kept only for this pass)."""
     ids, mask = as_batch(input_ids, attention_mask)
     cache = model.new_cache(ids.shape[0], ids.shape[1])  # scratch: thrown away on return
-    cache.valid.copy_(mask.to(cache.k.device))
-    cache.n_pad.copy_((~mask).sum(dim=1).to(cache.k.device))
+    cache.valid.copy_(mask.to(cache.device))
+    cache.n_pad.copy_((~mask).sum(dim=1).to(cache.device))
     return extend(model, cache, ids, last_only=last_only)
