@@ -192,7 +192,9 @@ before = fast.compile_count()
 with torch.inference_mode():
     reasons = fast.explain_recompiles(lambda: [naive(token, 16 + i) for i in range(5)])
 compiles = fast.compile_count() - before
-print(f"5 steps -> {compiles} compiles. Why the last one recompiled, in dynamo's words:\n  " + reasons[-1].strip().splitlines()[-1])
+guards = [line.strip(" -").split("#")[0].strip() for line in reasons[-1].splitlines() if ": slot ==" in line]
+print(f"5 steps -> {compiles} compiles. Why the last one recompiled, in dynamo's words (each graph's guard failed):")
+print("\n".join(f"  {g}" for g in guards))
 check_equal("compiles for 5 steps with a Python-int position", compiles, 5)"""),
 (MD, r"""After 8 recompiles dynamo gives up (`recompile_limit`); with `fullgraph=True` that is an error (`FailOnRecompileLimitHit`), without it a silent fall back to eager. Every token paying for a compile decodes at a few tokens per second.
 
@@ -210,7 +212,7 @@ check_equal("compiles for 5 steps with a Python-int position", compiles, 5)"""),
         return logits[:, -1].argmax(dim=-1)
         ### END SOLUTION"""),
 (CODE, r"""check_compiles_once("OnceStep", OnceStep)"""),
-(MD, r"""Now the real compiler (`utils.fast.compile_step`: inductor with `fullgraph=True`; on a CPU with *freezing*, which treats the weights as constants and pre-packs them for oneDNN; everywhere rounding each intermediate as eager does, so bf16 tokens stay exact). Its first call traces and generates code: that cost is reported in its own column, not in the speed. The decoder is built once per cache shape and serves every request that fits."""),
+(MD, r"""Now the real compiler (`utils.fast.compile_step`): inductor with `fullgraph=True`. On a CPU it uses `mode="max-autotune-no-cudagraphs"`, which times its own C++ matmul templates against oneDNN's for every projection and keeps the faster, and *freezing*, which treats the weights as constants (pre-packed once); on a GPU, CUDA graphs. Everywhere it rounds each intermediate as eager does (`emulate_precision_casts`), so the bf16 tokens stay exactly the eager loop's. Its first call traces and generates code: that cost is reported in its own column, not in the speed. The decoder is built once per cache shape and serves every request that fits."""),
 (CODE, r"""DECODERS: dict[tuple[int, str], fast.FastDecoder] = {}
 
 
