@@ -18,3 +18,11 @@ def test_bench_last_line_is_json(capsys):
     assert parsed["bandwidth_GBps"] > 0 and parsed["machine"]["torch_version"]
     assert 0 < parsed["decode_share_of_ceiling"]
     assert parsed["decode_tokens_agree"] == "3/3"  # float32: the two loops make the same tokens
+
+
+def test_bench_accepts_a_shape_only_model(capsys):
+    result = bench.main(["--model", "shape:smollm2-135m", "--prompt-tokens", "8", "--new-tokens", "3",
+                         "--repeats", "1", "--device", "cpu", "--dtype", "bfloat16"])
+    out = capsys.readouterr().out
+    assert "random weights" in out and result["model"]["name"] == "shape:smollm2-135m"
+    assert result["model"]["n_params"] == 134_515_008 and result["decode_tok_s_transformers"] > 0

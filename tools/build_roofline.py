@@ -247,15 +247,16 @@ The quantization lab's formats through PyTorch's own kernels (`utils.quant`: `_w
 
 llama.cpp is the engine local users run. It reads the embedded GGUF file itself (Q4_1: 4-bit weights with a scale and a minimum per 32, activations quantized to 8 bits in its dot products). It is optional: `make bench` builds `llama-cpp-python` once (minutes); this lab measures it when it is installed."""),
 (CODE, r"""PEER: dict[int, fast.Row] = {}
-if peer.installed() and lm.name == "SmolLM2-135M-Instruct" and DEVICE.type == "cpu":
+if peer.installed():
     for c in CONTEXTS:
-        r = peer.llama_cpp_speed(filler_ids(lm.tokenizer, c)[0].tolist(), NEW, repeats=REPEATS)
-        PEER[c] = fast.Row(r.engine, f"{r.weights} (GGUF file)", c, r.decode_tok_s, float(peer.embedded_gguf().stat().st_size),
-                           fast.agreement(r.tokens, STATIC[c, "float32"].tokens, "static eager float32"), tokens=r.tokens)
-        ROWS[c].append(PEER[c])
+        row, why = fast.llama_cpp_row(lm, c, NEW, REPEATS, STATIC[c, "float32"].tokens, "static eager float32")
+        if row is None:
+            print(f"llama.cpp: no row ({why})")
+            break
+        PEER[c] = row
+        ROWS[c].append(row)
 else:
-    print("llama.cpp: no row. " + ("It runs the embedded GGUF file on a CPU only." if peer.installed()
-                                   else "llama-cpp-python is not installed: `make bench` builds it once (4-6 minutes on 2 cores)."))
+    print("llama.cpp: no row. llama-cpp-python is not installed: `make bench` builds it once (4-6 minutes on 2 cores).")
 for c in CONTEXTS:
     print(f"\ncontext {c} (ceiling = {BANDWIDTH / 1e9:.1f} GB/s ÷ MB per token; speed-up over transformers bf16)")
     fast.print_rows(ROWS[c], BANDWIDTH, BASELINE[c])

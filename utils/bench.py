@@ -37,7 +37,7 @@ from . import fast, peer, quant
 from .engine import decode_speed, generate, measure_prefill
 from .hardware import describe_machine, measure_matmul_flops, probe_bandwidth
 from .llama import Llama
-from .models import EMBEDDED, LoadedModel, load_model
+from .models import LoadedModel, load_model
 from .roofline import decode_bytes_per_token, decode_ceiling_tok_s
 from .tokens import filler_ids
 from .variants import bytes_read_per_token
@@ -123,24 +123,6 @@ def fast_rows_at(lm: LoadedModel, forms: dict[str, Llama], context: int, new_tok
     return rows
 
 
-def llama_cpp_row(lm: LoadedModel, context: int, new_tokens: int, repeats: int,
-                  fp32_tokens: list[int]) -> tuple[fast.Row | None, str]:
-    """llama.cpp on the embedded Q4_1 file, or (None, why not)."""
-    if lm.name != EMBEDDED or lm.device.type != "cpu":
-        return None, "only for the embedded model on the CPU (its GGUF file is what llama.cpp reads)"
-    why = peer.ensure_installed()
-    if why:
-        return None, why
-    ids = filler_ids(lm.tokenizer, context)[0].tolist()
-    try:
-        r = peer.llama_cpp_speed(ids, new_tokens, repeats=repeats)
-    except Exception as exc:  # a peer that fails must not stop the benchmark: its row says why
-        return None, f"llama.cpp failed: {type(exc).__name__}: {exc}"
-    file_bytes = peer.embedded_gguf().stat().st_size
-    return fast.Row(r.engine, f"{r.weights} (GGUF file)", context, r.decode_tok_s, float(file_bytes),
-                    fast.agreement(r.tokens, fp32_tokens, "eager float32"), tokens=r.tokens), ""
-
-
 TARGETS = {"bf16 share of ceiling": 0.8, "bf16 over transformers bf16": 3.5, "quantized over llama.cpp": 1.2}
 """The issue's targets for the fast path, as ratios within one run."""
 
@@ -173,7 +155,7 @@ def run_fast_path(lm: LoadedModel, contexts: list[int], new_tokens: int, repeats
             fp32 = next((r for r in rows if r.weights == "float32"), None)
             fp32_tokens = fp32.tokens if fp32 else generate(copy.deepcopy(forms["bfloat16"]).float(),
                                                             filler_ids(lm.tokenizer, context, lm.device), new_tokens)[0].tolist()
-            peer_row, out["llama_cpp"] = llama_cpp_row(lm, context, new_tokens, repeats, fp32_tokens)
+            peer_row, out["llama_cpp"] = fast.llama_cpp_row(lm, context, new_tokens, repeats, fp32_tokens)
             rows += [peer_row] if peer_row else []
             out["llama_cpp"] = out["llama_cpp"] or "ok"
         baseline = next(r for r in rows if r.name == "transformers" and r.weights == "bfloat16")

@@ -38,9 +38,11 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from . import engine, llama_phases
+from . import engine, llama_phases, peer
 from .errors import WorkbookError, check_prompt_length, check_token_count
 from .llama import KVCache, Llama, iter_linears
+from .models import EMBEDDED, LoadedModel
+from .tokens import filler_ids
 from .timing import Timing, measure, profile_self_time, synchronize
 from .variants import bytes_read_per_token, tokens_agreed
 
@@ -107,6 +109,8 @@ def compile_step(step: DecodeStep, mode: str | None = None, backend: str = "indu
 
         inductor_config.emulate_precision_casts = True
         inductor_config.freezing = device.type == "cpu"
+        inductor_config.autotune_num_choices_displayed = 0  # max-autotune: no table per matmul on stderr
+        inductor_config.max_autotune_report_choices_stats = False
     options = compile_options(device, mode)
     if backend != "inductor":
         options.pop("mode")
@@ -355,3 +359,26 @@ def print_rows(rows: list[Row], bandwidth: float, baseline: Row) -> None:
         flag = "  NOISY" if r.noisy else ""
         print(f"{r.context:>7}  {r.name:<34} {r.weights:<20} {r.tok_s:>7.1f} {r.bytes_per_token / 1e6:>7.1f} "
               f"{r.share(bandwidth):>8.0%} {r.tok_s / baseline.tok_s:>7.2f}x  {compile_s:>8}  {r.agree}{flag}")
+
+
+def llama_cpp_row(lm: LoadedModel, context: int, new_tokens: int, repeats: int,
+                  reference: list[int], what: str = "eager float32") -> tuple[Row | None, str]:
+    """llama.cpp on the embedded Q4_1 file at ``context`` (a row), or (None, why there is none).
+
+    Its bytes per token: the whole GGUF file (its tied embedding is the LM head, read whole) plus
+    its float16 KV cache at the middle of the request.
+    """
+    if lm.name != EMBEDDED or lm.device.type != "cpu":
+        return None, "only for the embedded model on the CPU (its GGUF file is what llama.cpp reads)"
+    why = "" if peer.installed() else peer.ensure_installed()
+    if why:
+        return None, why
+    try:
+        r = peer.llama_cpp_speed(filler_ids(lm.tokenizer, context)[0].tolist(), new_tokens, repeats=repeats)
+    except Exception as exc:  # a peer that fails must not stop the measurement: its row says why
+        return None, f"llama.cpp failed: {type(exc).__name__}: {exc}"
+    s = lm.spec
+    kv = 2 * s.n_layers * s.n_kv_heads * s.head_dim * 2 * (context + new_tokens // 2)
+    return Row(r.engine, f"{r.weights} (GGUF file)", context, r.decode_tok_s,
+               float(peer.embedded_gguf().stat().st_size + kv), agreement(r.tokens, reference, what),
+               tokens=r.tokens), ""

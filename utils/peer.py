@@ -49,7 +49,8 @@ def wheel_dir() -> Path:
 
 
 def ensure_installed(log: Path | None = None, timeout_s: float = 1800) -> str:
-    """Install llama-cpp-python if it is missing: from the cached wheel, else build it (minutes).
+    """Install llama-cpp-python if it is missing: from the cached wheel, else build it (minutes; never
+    from pip's own wheel cache, which could hold a build made without these CMake flags).
 
     Returns "" when it is importable afterwards, else one line saying why not (the build's
     last lines are in ``log``). Never raises: a missing peer must not stop the benchmark.
@@ -63,7 +64,7 @@ def ensure_installed(log: Path | None = None, timeout_s: float = 1800) -> str:
         print(f"Building {LLAMA_CPP_PYTHON} from source once (4-6 minutes on 2 cores; log: {log}) ...", flush=True)
         env = {**os.environ, "CMAKE_ARGS": BUILD_CMAKE_ARGS,
                "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
-        if not _pip(["wheel", "--no-deps", "-w", str(wheel_dir()), LLAMA_CPP_PYTHON], env, log, timeout_s):
+        if not _pip(["wheel", "--no-deps", "--no-cache-dir", "-w", str(wheel_dir()), LLAMA_CPP_PYTHON], env, log, timeout_s):
             return f"llama-cpp-python did not build (see {log})"
         cached = sorted(glob.glob(str(wheel_dir() / "llama_cpp_python-0.3.36-*.whl")))
     if not cached or not _pip(["install", cached[-1]], dict(os.environ), log, timeout_s):
