@@ -13,6 +13,13 @@ from utils.llama import Llama
 IDS = torch.randint(1, 96, (1, 12), generator=torch.Generator().manual_seed(5))
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test starts with no compiled code: a decoder compiled by an earlier test (the same
+    DecodeStep.forward) would otherwise show up as a recompile in this one's log."""
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def model() -> Llama:
     return Llama.from_hf(tiny_hf())
@@ -85,3 +92,10 @@ def test_projections_seconds_times_every_projection(model):
     row = fast.Row("x", "float32", 12, tok_s=10.0, bytes_per_token=2e6)
     assert row.share(4e7) == pytest.approx(0.5)
     assert row.as_dict(4e7, baseline_tok_s=5.0)["speedup"] == 2.0
+
+
+def test_many_decoders_in_one_process_stay_under_the_recompile_limit(model):
+    """A lab builds one decoder per model, dtype and context: more than dynamo's default of 8 per code."""
+    for length in range(16, 16 + 10 * 4, 4):  # ten cache shapes
+        decoder = fast.FastDecoder.build(model, length, compiled=True, backend="eager")
+        assert torch.equal(decoder.generate(IDS[:, :4], 3), engine.generate(model, IDS[:, :4], 3))

@@ -51,6 +51,10 @@ BUCKET = 256
 length share one compiled step (a 128-token prompt + 64 new tokens -> 256 slots)."""
 
 
+DECODERS_PER_PROCESS = 64
+"""Compiled decoders one process may hold (dynamo's per-code limit is raised to this; the default is 8)."""
+
+
 def static_length(prompt_tokens: int, new_tokens: int, bucket: int = BUCKET) -> int:
     """Slots of the static cache for a request: ``prompt + new`` rounded up to ``bucket``."""
     need = prompt_tokens + new_tokens
@@ -104,6 +108,9 @@ def compile_step(step: DecodeStep, mode: str | None = None, backend: str = "indu
     count needs, in a second instead of a minute.
     """
     device = step.cache.device
+    # Every decoder is its own graph of the same code (DecodeStep.forward): a lab or benchmark that
+    # builds one per model, dtype and context must not run into dynamo's limit of 8 per code.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DECODERS_PER_PROCESS)
     if backend == "inductor":
         import torch._inductor.config as inductor_config
 
