@@ -31,13 +31,19 @@ from typing import Any
 from .errors import WorkbookError
 
 SCHEMA = "prefill-decode-workbook/results"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 ENV_FILE = "WORKBOOK_RESULTS"
 ENV_NOTEBOOK = "WORKBOOK_NOTEBOOK"
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 RECORDED: list[dict[str, Any]] = []
 """The figures recorded in this process, in order (a notebook's kernel keeps its own)."""
+
+CHECKS: list[dict[str, Any]] = []
+"""The timing checks decided in this process (:func:`record_check`), in order."""
+
+OUTCOMES = ("passed", "failed", "undecided")
+"""What a timing check can come to (:mod:`utils.decide`)."""
 
 
 class ResultsError(WorkbookError):
@@ -91,6 +97,24 @@ def record(name: str, value: Any, unit: str = "", predicted: Any = None, **conte
     return value
 
 
+def record_check(name: str, outcome: str, measured: float, bar: float, predicted: float,
+                 spread: float) -> None:
+    """Publish one timing check's verdict (:mod:`utils.decide` calls it): passed, failed or undecided."""
+    line = check_entry(name, outcome, measured, bar, predicted, spread, os.environ.get(ENV_NOTEBOOK, ""))
+    CHECKS.append(line)
+    _append({"kind": "check", **line})
+
+
+def check_entry(name: str, outcome: str, measured: float, bar: float, predicted: float, spread: float,
+                notebook: str = "") -> dict[str, Any]:
+    """One timing check's verdict as the schema stores it."""
+    if outcome not in OUTCOMES:
+        raise WorkbookError(f"a check's outcome must be one of {OUTCOMES}, got {outcome!r}.")
+    return {"notebook": notebook, "name": str(name), "outcome": outcome,
+            **{k: _number(v, f"check {name!r} {k}") for k, v in
+               (("measured", measured), ("bar", bar), ("predicted", predicted), ("spread", spread))}}
+
+
 def record_setup(machine: dict[str, Any], model: dict[str, Any], settings: dict[str, Any]) -> None:
     """Publish what a notebook ran on: the machine, the model's spec and the settings."""
     _append({"kind": "setup", "notebook": os.environ.get(ENV_NOTEBOOK, ""), "machine": machine,
@@ -114,7 +138,8 @@ def read_lines(path: str | Path) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------------- the document
 
 REQUIRED = {"schema": str, "schema_version": int, "machine_id": str, "machine": dict, "model": dict,
-            "settings": dict, "notebooks": list, "figures": list}
+            "settings": dict, "notebooks": list, "figures": list, "checks": list}
+CHECK_KEYS = {"notebook", "name", "outcome", "measured", "bar", "predicted", "spread"}
 FIGURE_KEYS = {"notebook", "name", "value", "unit", "predicted", "ratio", "context"}
 
 
@@ -139,6 +164,13 @@ def validate(doc: Any, source: str = "results") -> dict[str, Any]:
         if (fig["ratio"] is None) != (again["ratio"] is None) or (
                 fig["ratio"] is not None and not math.isclose(fig["ratio"], again["ratio"], rel_tol=1e-9)):
             raise ResultsError(f"{source}: figure {i} ({fig['name']!r}): ratio is not value / predicted.")
+    for i, chk in enumerate(doc["checks"]):
+        if not isinstance(chk, dict) or set(chk) != CHECK_KEYS:
+            raise ResultsError(f"{source}: check {i} must have exactly the keys {sorted(CHECK_KEYS)}.")
+        try:
+            check_entry(chk["name"], chk["outcome"], chk["measured"], chk["bar"], chk["predicted"], chk["spread"])
+        except WorkbookError as e:
+            raise ResultsError(f"{source}: check {i} ({chk.get('name')!r}): {e}") from None
     for i, nb in enumerate(doc["notebooks"]):
         if not isinstance(nb, dict) or not isinstance(nb.get("name"), str) or nb.get("status") not in ("ok", "failed"):
             raise ResultsError(f"{source}: notebook entry {i} needs a 'name' and a 'status' of 'ok' or 'failed'.")
@@ -162,7 +194,12 @@ def _from_bench(doc: dict[str, Any]) -> dict[str, Any]:
             "notebooks": [{"name": "bench", "status": "ok"}], "figures": figs}
 
 
-UPGRADES = {0: _from_bench}
+def _add_checks(doc: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 had no timing-check verdicts: the same document with an empty list of them."""
+    return {**doc, "schema_version": 2, "checks": []}
+
+
+UPGRADES = {0: lambda doc: _add_checks(_from_bench(doc)), 1: _add_checks}
 """Older schema versions this module reads, each turned into the current version."""
 
 
