@@ -20,7 +20,10 @@ from utils.results import record
 lm, machine = setup_chapter()
 d = measure_decode(lm, 4, prompt_tokens=8, repeats=1)
 record("decode_tok_s", d.tok_s, unit="tok/s", predicted=2 * d.tok_s, context_tokens=10)
-record("bandwidth_gb_s", 1.5, unit="GB/s")"""
+record("bandwidth_gb_s", 1.5, unit="GB/s")
+from utils.decide import decide
+decide("a clear effect", 3.0, bar=2.0, predicted=4.0, spread=0.05)
+decide("an effect inside the noise", 1.0, bar=1.0, predicted=1.05, spread=0.2)"""
 
 
 def notebook(path: Path, *sources: str) -> Path:
@@ -57,6 +60,10 @@ def test_a_quick_report_validates_and_holds_only_what_its_notebooks_recorded(qui
     assert doc["machine"]["dtype"] == "float32" and doc["machine"]["torch_threads"] >= 1
     assert doc["settings"]["quick"] is True and Path(doc["model"]["name"]).name == TEST_MODEL
     assert doc["machine_id"] == "out"
+    assert [(c["name"], c["outcome"]) for c in doc["checks"]] == [
+        ("a clear effect", "passed"), ("an effect inside the noise", "undecided")]
+    page = (out / "index.html").read_text()
+    assert "Timing checks not decided here (1 of 2)" in page and "an effect inside the noise" in page
 
 
 def test_a_failing_notebook_is_named_and_the_rest_still_written(quick_report):
@@ -98,9 +105,9 @@ def synthetic(machine_id: str, decode: float, ceiling: float = 65.4, request_rat
             figure("decode_tok_s", decode, "tok/s", ceiling, "04_decode", context_tokens=40),
             figure("request_total_s", 2.0 * request_ratio, "s", 2.0, "06_whole_request", prompt_tokens=64,
                    output_tokens=16)]
-    return {"schema": "prefill-decode-workbook/results", "schema_version": 1, "machine_id": machine_id,
+    return {"schema": "prefill-decode-workbook/results", "schema_version": 2, "machine_id": machine_id,
             "machine": {"device": "cpu", "device_name": "EPYC", "dtype": "float32"}, "model": {"name": "m"},
-            "settings": {"quick": False}, "notebooks": [{"name": "00_setup", "status": "ok"}], "figures": figs}
+            "settings": {"quick": False}, "notebooks": [{"name": "00_setup", "status": "ok"}], "figures": figs, "checks": []}
 
 
 def write(tmp_path: Path, *docs: dict) -> list[Path]:

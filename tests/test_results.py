@@ -19,7 +19,7 @@ def document(figures: list[dict], machine_id: str = "host-cpu-float32") -> dict:
     """A minimal valid current-version document around ``figures``."""
     return {"schema": results.SCHEMA, "schema_version": results.SCHEMA_VERSION, "machine_id": machine_id,
             "machine": {"device": "cpu", "device_name": "Test CPU", "dtype": "float32"}, "model": {"name": "m"},
-            "settings": {"quick": True}, "notebooks": [{"name": "00_setup", "status": "ok"}], "figures": figures}
+            "settings": {"quick": True}, "notebooks": [{"name": "00_setup", "status": "ok"}], "figures": figures, "checks": []}
 
 
 def test_record_returns_the_value_keeps_it_and_writes_nothing_unasked(monkeypatch, tmp_path):

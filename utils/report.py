@@ -150,24 +150,49 @@ def collect(out: Path, entries: list[dict[str, Any]], settings: dict[str, Any]) 
     main = next((s for s in setups if s["settings"]["dtype"] == settings["dtype"]), setups[0] if setups else None)
     machine = dict(main["machine"]) if main else describe_machine(settings["device"])
     machine["dtype"] = settings["dtype"]
-    figures = [{k: v for k, v in line.items() if k != "kind"} for line in lines if line.get("kind") == "figure"]
+    of_kind = lambda kind: [{k: v for k, v in line.items() if k != "kind"}  # noqa: E731
+                            for line in lines if line.get("kind") == kind]
     return validate({"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "machine_id": out.name, "machine": machine,
                      "model": main["model"] if main else {}, "settings": settings, "notebooks": entries,
-                     "figures": figures}, str(out / "results.json"))
+                     "figures": of_kind("figure"), "checks": of_kind("check")}, str(out / "results.json"))
 
 
 def run_report(paths: Sequence[Path], out: Path, quick: bool, cell_timeout: int = 1800) -> dict[str, Any]:
     """Execute ``paths`` and write the HTML, ``results.json`` and ``index.html`` into ``out``."""
-    dev = pick_device(None)
-    settings = {"model": resolve_name(), "device": str(dev), "dtype": dtype_name(resolve_dtype(None, dev)),
-                "quick": quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    settings = run_settings(quick)
     start = time.perf_counter()
     entries = run_all(paths, prepare_out(out), quick, cell_timeout)
-    settings["seconds"] = round(time.perf_counter() - start, 1)
-    doc = collect(out, entries, settings)
+    return write_report(out, entries, settings, time.perf_counter() - start)
+
+
+def run_settings(quick: bool) -> dict[str, Any]:
+    """What a run of the notebooks ran with: model, device, dtype, quick or full, when."""
+    dev = pick_device(None)
+    return {"model": resolve_name(), "device": str(dev), "dtype": dtype_name(resolve_dtype(None, dev)),
+            "quick": quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def write_report(out: Path, entries: list[dict[str, Any]], settings: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """``results.json`` and ``index.html`` in ``out`` from the notebooks' entries and figure files."""
+    doc = collect(out, entries, {**settings, "seconds": round(seconds, 1)})
     save(doc, out / "results.json")
     (out / "index.html").write_text(index_html(doc), encoding="utf8")
     return doc
+
+
+def check_counts(doc: dict[str, Any], notebook: str | None = None) -> dict[str, int]:
+    """How many timing checks passed, failed and were not decided (in one notebook, or in all)."""
+    counts = dict.fromkeys(("passed", "failed", "undecided"), 0)
+    for c in doc["checks"]:
+        if notebook is None or c["notebook"] == notebook:
+            counts[c["outcome"]] += 1
+    return counts
+
+
+def checks_summary(doc: dict[str, Any], notebook: str | None = None) -> str:
+    """``"5 passed, 1 undecided"``: the timing checks' verdicts in a few words."""
+    counts = check_counts(doc, notebook)
+    return ", ".join(f"{n} {k}" for k, n in counts.items() if n) or "none"
 
 
 # ------------------------------------------------------------------------------ reading figures
@@ -338,8 +363,10 @@ def index_html(doc: dict[str, Any]) -> str:
     m, s = doc["machine"], doc["settings"]
     nbs = [(f'<a href="{html.escape(e["html"])}">{html.escape(e["path"])}</a>' if e.get("html") else e["name"],
             f'<span class="{e["status"]}">{e["status"]}</span>' + (f': {html.escape(e["error"])}' if e.get("error") else ""),
-            e.get("seconds", ""), e.get("figures", "")) for e in doc["notebooks"]]
-    nb_rows = "".join(f"<tr><td>{a}</td><td>{b}</td><td>{c}</td><td>{d}</td></tr>" for a, b, c, d in nbs)
+            e.get("seconds", ""), e.get("figures", ""), checks_summary(doc, e["name"])) for e in doc["notebooks"]]
+    nb_rows = "".join("<tr>" + "".join(f"<td>{v}</td>" for v in row) + "</tr>" for row in nbs)
+    undecided = [(c["notebook"], html.escape(c["name"]), fmt(c["predicted"], 3), f"{c['spread']:.0%}", fmt(c["bar"], 3),
+                  fmt(c["measured"], 3)) for c in doc["checks"] if c["outcome"] == "undecided"]
     every = [(f["notebook"], f["name"], _context(f), fmt(f["value"]), f["unit"], fmt(f["predicted"]), fmt(f["ratio"], 2))
              for f in doc["figures"]]
     return "\n".join([
@@ -351,8 +378,12 @@ def index_html(doc: dict[str, Any]) -> str:
         f"{s.get('started', '')}, {s.get('seconds', '?')} s.</p>",
         "<h2>Headline figures</h2>", _html_table(HEADLINE_HEADER, headline_rows(doc)),
         "<h2>Key plots</h2>", key_plots(doc),
-        "<h2>Notebooks</h2><table><tr><th>notebook</th><th>status</th><th>seconds</th><th>figures</th></tr>"
-        f"{nb_rows}</table>",
+        "<h2>Notebooks</h2><table><tr><th>notebook</th><th>status</th><th>seconds</th><th>figures</th>"
+        f"<th>timing checks</th></tr>{nb_rows}</table>",
+        f"<h2>Timing checks not decided here ({len(undecided)} of {len(doc['checks'])})</h2>"
+        "<p>A timing check runs only where its predicted effect clears the measured noise (utils.decide); "
+        "the others are neither passed nor failed on this machine.</p>",
+        _html_table(("notebook", "check", "predicted", "spread", "bar", "measured"), undecided),
         f"<h2>Every figure ({len(every)})</h2>",
         _html_table(("notebook", "figure", "where", "measured", "unit", "predicted", "ratio"), every),
         "</body></html>"])
@@ -475,6 +506,7 @@ def _run(a: argparse.Namespace) -> int:
     print("\n" + text_table(HEADLINE_HEADER, headline_rows(doc)))
     failed = [e["path"] for e in doc["notebooks"] if e["status"] == "failed"]
     print(f"\n{len(doc['figures'])} figures from {len(paths)} notebooks in {doc['settings']['seconds']} s; "
+          f"timing checks: {checks_summary(doc)}; "
           f"wrote {out}/index.html" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
@@ -489,7 +521,8 @@ def _validate(a: argparse.Namespace) -> int:
     for f in a.files:
         doc = load(f)
         print(f"{f}: valid (schema v{SCHEMA_VERSION}), {len(doc['figures'])} figures, "
-              f"{sum(e['status'] == 'ok' for e in doc['notebooks'])}/{len(doc['notebooks'])} notebooks ok")
+              f"{sum(e['status'] == 'ok' for e in doc['notebooks'])}/{len(doc['notebooks'])} notebooks ok, "
+              f"timing checks: {checks_summary(doc)}")
     return 0
 
 
