@@ -9,10 +9,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # JupyterLab refuses to run as root (CI, containers) unless told.
 ROOT_FLAG := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
-# Upper bound for the whole test step; CI allows 90 minutes.
-TEST_TIMEOUT ?= 3000  # the first pass; the test-model pass gets 1500 s
 
-.PHONY: setup model lab test unit notebooks notebooks-test-model browser-test bench report compare labs check-labs clean
+.PHONY: setup model lab test unit notebooks notebooks-default-model notebooks-test-model test-under-load browser-test bench report compare labs check-labs clean
 
 setup: $(STAMP) model
 
@@ -33,33 +31,53 @@ model: $(STAMP)
 lab: setup
 	$(VENV)/bin/jupyter lab $(ROOT_FLAG) --ServerApp.root_dir=$(CURDIR) notebooks/00_setup.ipynb
 
-# Unit tests, then every chapter and solved lab under nbval (lax: timings and
-# plots may differ, a failing assert still fails). WORKBOOK_QUICK=1 picks the
-# short measurement settings; learners get the full ones by default. Then every
-# chapter and lab again on the awkward test model: another model is one setting away.
-# make test first runs the benchmark's short setting (fast path and llama.cpp rows included),
-# and at the end writes a quick report on the test model and validates its results.json.
+# make test, one timed step each (tools/step.py prints a line as each ends and the table at the end):
+#   setup; the benchmark's short setting (fast path and llama.cpp rows; the first run on a machine builds
+#   llama.cpp once, kept per machine); the unit tests; every chapter and solved lab under nbval (lax:
+#   timings and plots may differ, a failing assert still fails) at CI's short settings (WORKBOOK_QUICK=1),
+#   once on the default model and once on the tiny test model (another model is one setting away) with
+#   PyTorch dispatching as on an AVX2-only laptop; each nbval run also writes the report of that run
+#   (tools/nbval_report.py), so no notebook runs twice for one model; the reports' validation; the
+#   browser test. Learners get the full settings by default.
+CI_REPORT_DEFAULT := $(CURDIR)/reports/ci-quick-default
 CI_REPORT := $(CURDIR)/reports/ci-quick-test-model
 NBVAL := --nbval-lax --nbval-current-env --nbval-cell-timeout=900 -p no:cacheprovider
+NB_REPORT := -p tools.nbval_report --report-out
 TEST_MODEL := $(CURDIR)/.cache/models/workbook-test-llama
+# A plainer CPU: ATen's kernels as on a laptop with AVX2 only, and oneDNN's too.
+AVX2 := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+STEPS := $(CURDIR)/reports/make-test-steps.tsv
+STEP = $(PYTHON) tools/step.py $(STEPS)
 
-test: setup
-	timeout 1800 $(PY) -m utils.bench $(BENCH_QUICK)
-	WORKBOOK_QUICK=1 timeout $(TEST_TIMEOUT) $(PY) -m pytest tests notebooks solutions -m "not browser" $(NBVAL)
-	WORKBOOK_QUICK=1 WORKBOOK_MODEL=$(TEST_MODEL) timeout 1500 $(PY) -m pytest notebooks solutions $(NBVAL)
-	WORKBOOK_MODEL=$(TEST_MODEL) timeout 900 $(PY) -m utils.report run --quick --out $(CI_REPORT)
-	$(PY) -m utils.report validate $(CI_REPORT)/results.json
-	$(MAKE) --no-print-directory browser-test
+test:
+	@mkdir -p reports && rm -f $(STEPS)
+	@$(STEP) setup -- $(MAKE) --no-print-directory setup
+	@$(STEP) bench-quick -- timeout 1800 $(PY) -m utils.bench $(BENCH_QUICK)
+	@$(STEP) unit-tests -- timeout 900 $(PY) -m pytest tests -m "not browser" -p no:cacheprovider
+	@$(STEP) notebooks-default-model -- $(MAKE) --no-print-directory notebooks-default-model
+	@$(STEP) notebooks-test-model-avx2 -- env $(AVX2) $(MAKE) --no-print-directory notebooks-test-model
+	@$(STEP) reports-validate -- $(PY) -m utils.report validate $(CI_REPORT_DEFAULT)/results.json $(CI_REPORT)/results.json
+	@$(STEP) browser-test -- $(MAKE) --no-print-directory browser-test
+	@$(PYTHON) tools/step.py $(STEPS) --summary
+
+# The quick notebook pass on each model, each writing its report (what make test runs).
+notebooks-default-model: setup
+	WORKBOOK_QUICK=1 timeout 2400 $(PY) -m pytest notebooks solutions $(NBVAL) $(NB_REPORT) $(CI_REPORT_DEFAULT)
+
+notebooks-test-model: setup
+	WORKBOOK_QUICK=1 WORKBOOK_MODEL=$(TEST_MODEL) timeout 1500 $(PY) -m pytest notebooks solutions $(NBVAL) $(NB_REPORT) $(CI_REPORT)
+
+# The quick notebook pass on both models while another process keeps one core busy at nice 19
+# (a learner's laptop with a browser open). Not part of make test: it repeats the notebook steps.
+test-under-load: setup
+	$(PYTHON) tools/under_load.py -- $(MAKE) --no-print-directory notebooks-default-model notebooks-test-model \
+		CI_REPORT_DEFAULT=$(CURDIR)/reports/under-load-default CI_REPORT=$(CURDIR)/reports/under-load-test-model
 
 # JupyterLab in headless Chromium, as a learner sees it (chapter 02, a lab stub, 06's
 # calculator slider). Skipped with a one-line reason when Chromium is missing; .ci/run
 # installs it. Screenshots go to reports/browser/.
 browser-test: setup
 	WORKBOOK_QUICK=1 timeout 600 $(PY) -m pytest tests/browser -m browser -p no:cacheprovider -rs
-
-# Only the notebooks, on the test model (what the second half of make test runs).
-notebooks-test-model: setup
-	WORKBOOK_QUICK=1 WORKBOOK_MODEL=$(TEST_MODEL) $(PY) -m pytest notebooks solutions $(NBVAL)
 
 unit: setup
 	$(PY) -m pytest tests -m "not browser"

@@ -3,7 +3,7 @@
 Optional: it needs ``llama-cpp-python``, which has no wheel on PyPI and builds from
 source (about 4-6 minutes on 2 cores). :func:`ensure_installed` installs it on first use
 (``make bench`` calls it); the learner's setup does not need it. The wheel it builds is
-kept in ``.cache/wheels/`` so a second install takes seconds. When it is missing or fails
+kept once per machine (:func:`wheel_dir`) so a second install, in any clone, takes seconds. When it is missing or fails
 to build, :func:`peer_status` says why and the benchmark prints that in llama.cpp's row.
 
 The build turns off AMX: inside some sandboxes the kernel refuses the AMX tile state, and
@@ -21,6 +21,7 @@ figure, not a check.
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
 import os
 import statistics
@@ -45,7 +46,25 @@ def installed() -> bool:
 
 
 def wheel_dir() -> Path:
-    return cache_dir() / "wheels"
+    """Where the built wheel is kept: one per machine, not per checkout, so a fresh clone reuses it.
+
+    ``$WORKBOOK_WHEEL_DIR``, else ``~/.cache/prefill-decode-workbook/wheels/<key>``, the key naming
+    the CMake flags and this CPU (``GGML_NATIVE`` builds for the CPU it runs on).
+    """
+    if os.environ.get("WORKBOOK_WHEEL_DIR"):
+        return Path(os.environ["WORKBOOK_WHEEL_DIR"])
+    key = hashlib.sha256(f"{LLAMA_CPP_PYTHON} {BUILD_CMAKE_ARGS} {cpu_model()}".encode()).hexdigest()[:12]
+    return Path.home() / ".cache" / "prefill-decode-workbook" / "wheels" / key
+
+
+def cpu_model() -> str:
+    """The CPU's model name and flags as Linux reports them ("" elsewhere): what a native build targets."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    pick = lambda key: next((line for line in info.splitlines() if line.startswith(key)), "")  # noqa: E731
+    return pick("model name") + pick("flags")
 
 
 def ensure_installed(log: Path | None = None, timeout_s: float = 1800) -> str:

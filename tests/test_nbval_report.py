@@ -1,0 +1,52 @@
+"""The report written from nbval's own run (tools/nbval_report.py) and make test's step timer (tools/step.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import nbformat
+
+from tools import step
+from utils.models import REPO_ROOT
+from utils.results import load
+
+CELLS = ["from utils.results import record\nrecord('x_s', 1.5, unit='s')\nprint('hello from the cell')",
+         "from utils.decide import decide\ndecide('clear', 3.0, bar=2.0, predicted=4.0, spread=0.05)\n"
+         "decide('in the noise', 1.0, bar=1.0, predicted=1.02, spread=0.1)"]
+
+
+def write(path, *sources):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# a notebook")] + [nbformat.v4.new_code_cell(s) for s in sources]
+    nbformat.write(nb, path)
+    return path
+
+
+def test_one_nbval_run_is_also_the_report(tmp_path):
+    good = write(tmp_path / "a_good.ipynb", *CELLS)
+    bad = write(tmp_path / "b_bad.ipynb", CELLS[0], "assert 1 + 1 == 3, 'a planted failure'", "print('still runs')")
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "pytest", str(good), str(bad), "--nbval-lax", "--nbval-current-env",
+                          "-p", "no:cacheprovider", "-p", "tools.nbval_report", "--report-out", str(out), "-q"],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stdout[-2000:]  # the planted failure fails nbval as before
+    doc = load(out / "results.json")
+    status = {e["name"]: (e["status"], e["error"]) for e in doc["notebooks"]}
+    assert status["a_good"] == ("ok", None)
+    assert status["b_bad"][0] == "failed" and "a planted failure" in status["b_bad"][1]
+    assert [(f["notebook"], f["name"]) for f in doc["figures"]] == [("a_good", "x_s"), ("b_bad", "x_s")]
+    assert [(c["name"], c["outcome"]) for c in doc["checks"]] == [("clear", "passed"), ("in the noise", "undecided")]
+    assert "hello from the cell" in (out / "a_good.html").read_text()  # the outputs went back into the notebook
+    assert "Timing checks not decided here (1 of 2)" in (out / "index.html").read_text()
+
+
+def test_the_step_timer_logs_each_step_and_fails_with_the_table(tmp_path, capsys):
+    log = tmp_path / "steps.tsv"
+    assert step.main([str(log), "quick", "--", sys.executable, "-c", "pass"]) == 0
+    assert step.main([str(log), "broken", "--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
+    out = capsys.readouterr().out
+    assert "== step broken: FAILED (exit 3)" in out and "total" in out
+    names = [line.split("\t")[0] for line in log.read_text().splitlines()]
+    assert names == ["quick", "broken"]
+    assert step.minutes(754.2) == "12 min 34 s" and step.minutes(9.6) == "10 s"
