@@ -307,6 +307,7 @@ class Row:
     compile_s: float | None = None
     noisy: bool = False
     tokens: list[int] = field(default_factory=list, repr=False)
+    spread: float = 0.0  # relative spread (IQR / median) of the timed repeats, for utils.decide
 
     def share(self, bandwidth: float) -> float:
         """Share of the ceiling ``bandwidth / bytes_per_token`` this row reaches."""
@@ -354,7 +355,7 @@ def decoder_row(name: str, decoder: FastDecoder, ids: Tensor, n_tokens: int, *, 
     agree = agreement(tokens, reference, what) if reference is not None else ""
     return Row(name, weights, ids.shape[-1], n_tokens / timing.median,
                step_bytes(decoder.model, ids.shape[-1] + n_tokens // 2), agree,
-               decoder.compile_s if decoder.compiled else None, timing.noisy, tokens.tolist())
+               decoder.compile_s if decoder.compiled else None, timing.noisy, tokens.tolist(), timing.relative_spread)
 
 
 def print_rows(rows: list[Row], bandwidth: float, baseline: Row) -> None:
