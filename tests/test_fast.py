@@ -7,6 +7,7 @@ import torch
 from test_batching import tiny_hf
 
 from utils import engine, fast, quant
+from utils.llama_phases import forward_no_cache
 from utils.errors import WorkbookError
 from utils.llama import Llama
 
@@ -99,3 +100,14 @@ def test_many_decoders_in_one_process_stay_under_the_recompile_limit(model):
     for length in range(16, 16 + 10 * 4, 4):  # ten cache shapes
         decoder = fast.FastDecoder.build(model, length, compiled=True, backend="eager")
         assert torch.equal(decoder.generate(IDS[:, :4], 3), engine.generate(model, IDS[:, :4], 3))
+
+
+def test_divergence_finds_where_two_streams_part_and_the_logit_gap_there(model):
+    want = engine.generate(model, IDS, 6)[0].tolist()
+    assert fast.divergence(model, IDS, want, want) is None
+    wrong = want[:3] + [(want[3] + 1) % 90] + want[4:]
+    i, gap = fast.divergence(model, IDS, wrong, want)
+    # the gap is the eager model's own: recomputed here by hand
+    row = forward_no_cache(model, torch.cat([IDS, torch.tensor([want[:3]])], 1), last_only=True)[0, -1]
+    assert i == 3 and gap == pytest.approx(float((row[want[3]] - row[wrong[3]]).abs() / row.abs().max()), rel=1e-5)
+    assert gap > 0

@@ -334,6 +334,24 @@ def agreement(tokens: Tensor | list[int], reference: Tensor | list[int], what: s
     return f"{tokens_agreed(tokens, reference)}/{n} vs {what}"
 
 
+NEAR_TIE = 0.02
+"""Two picks whose logits differ by less than this share of the largest |logit| are a near-tie: a rounding
+difference between two correct kernels can flip them (bf16 and int kernels round differently compiled)."""
+
+
+def divergence(model: Llama, prompt: Tensor, got: list[int], want: list[int]) -> tuple[int, float] | None:
+    """Where ``got`` first parts from ``want`` and the logit gap there between the two picks, as a share of
+    the largest |logit| (``model`` scores the prompt plus ``want``'s tokens so far, from scratch); None if
+    they agree wherever both have tokens."""
+    i = tokens_agreed(got, want)
+    if i >= min(len(got), len(want)):
+        return None
+    ids = torch.cat([prompt.reshape(1, -1), torch.tensor([want[:i]], dtype=prompt.dtype, device=prompt.device)], 1)
+    with torch.inference_mode():
+        logits = llama_phases.forward_no_cache(model, ids, last_only=True)[0, -1].float()
+    return i, float((logits[want[i]] - logits[got[i]]).abs() / logits.abs().max())
+
+
 def eager_row(name: str, model: Any, ids: Tensor, n_tokens: int, *, weights: str, bytes_per_token: float,
               reference: Tensor | None = None, what: str = "", repeats: int = 3) -> Row:
     """A row for the eager loop of either backend (transformers or hand-written), via
