@@ -13,15 +13,33 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from utils import engine, roofline
 from utils.decide import PASSED, UNDECIDED, TimingCheckFailed, decide, decide_ratio, ratio_spread
-from utils.hardware import measure_matmul_flops, probe_bandwidth
+from utils.hardware import probe_bandwidth
 from utils.timing import interleaved
 from utils.tokens import filler_ids
 from utils.verdicts import decide_near
 
 CASES = [pytest.param(False, id="as-is"), pytest.param(True, id="planted")]
+N = 1024  # the matmul of utils.hardware.measure_matmul_flops on a CPU: C = A @ W.T, n x n
+
+
+def matmul() -> None:
+    """One call of the FLOP/s probe, to time interleaved with the phases (2 n**3 FLOP): a slow spell that
+    stretches the phases stretches the rate in the prediction too."""
+    torch.mm(_A, _A.t(), out=_C)
+
+
+_A, _C = torch.randn(N, N), torch.empty(N, N)
+
+
+def stepper(lm, context: int, n: int = 8):
+    """One greedy decode step per ``next()``, after an untimed prefill of ``context`` tokens."""
+    cache = engine.new_cache(lm.model, 1, context + n)
+    first = engine.prefill(lm.model, cache, filler_ids(lm.tokenizer, context, lm.device)).argmax(dim=-1)
+    return engine.decode_steps(lm.model, cache, first, n)
 
 
 def outcome(planted: bool, check) -> str | None:
@@ -39,23 +57,17 @@ def outcome(planted: bool, check) -> str | None:
 def test_05_a_disabled_cache_fails_cached_vs_uncached(lm, planted):
     """05: 'cached decode step beats no cache by > 2x', predicted by StepCosts with a fixed cost measured apart."""
     model, s, c = lm.model, lm.spec, 256
-
-    def stepper(context: int):  # one greedy decode step per next(), after an untimed prefill of `context` tokens
-        cache = engine.new_cache(model, 1, context + 8)
-        first = engine.prefill(model, cache, filler_ids(lm.tokenizer, context, lm.device)).argmax(dim=-1)
-        return engine.decode_steps(model, cache, first, 8)
-
-    ids, short, cached = filler_ids(lm.tokenizer, c, lm.device), stepper(32), stepper(c)
+    ids, short, cached = filler_ids(lm.tokenizer, c, lm.device), stepper(lm, 32), stepper(lm, c)
 
     def no_cache() -> None:
         engine.prefill(model, engine.new_cache(model, 1, c), ids)
 
-    # the fixed cost of a pass: a real decode step at 32 tokens, interleaved with the two compared (a slow
-    # spell moves all three alike); planted, the "cached" step at c runs the whole sequence again
-    t = interleaved({"fixed": lambda: next(short), "no cache": no_cache,
+    # the prediction's inputs (a real decode step at 32 tokens: the fixed cost; the matmul rate) interleaved with
+    # the two compared; planted, the "cached" step at c runs the whole sequence again
+    t = interleaved({"fixed": lambda: next(short), "matmul": matmul, "no cache": no_cache,
                      "cached": no_cache if planted else (lambda: next(cached))}, repeats=5, warmup=1)
     costs = roofline.StepCosts(  # transformers' fused attention: the causal triangle, no score traffic
-        fixed_s=t["fixed"].median, flops_per_s=measure_matmul_flops(lm.device, lm.dtype),
+        fixed_s=t["fixed"].median, flops_per_s=2 * N**3 / t["matmul"].median,
         bandwidth_bytes_s=probe_bandwidth(lm.device, probes=1).best,
         block_params=sum(p.numel() for p in model.model.layers.parameters()), kv_bytes_per_token=s.kv_bytes_per_token,
         n_layers=s.n_layers, n_heads=s.n_heads, head_dim=s.head_dim, square=1)
@@ -70,22 +82,23 @@ def test_03_prompts_padded_to_the_longest_fail_ttft_grows(lm, planted, monkeypat
     """03: 'TTFT grows > 2x' from 16 to 256 prompt tokens, predicted from a one-token pass plus FLOPs / FLOP/s."""
     s, short, long = lm.spec, 16, 256
     P = roofline.prefill_params(s.weight_bytes_read_per_token, s.bytes_per_param, s.vocab_size, s.hidden_size)
-    flops_s = measure_matmul_flops(lm.device, lm.dtype)
-    dec = engine.measure_decode(lm, 8, prompt_tokens=32, repeats=3)  # before any plant: the one-token pass
+    ids = {n: filler_ids(lm.tokenizer, n, lm.device) for n in (short, long)}
+    step = stepper(lm, 32)  # the one-token pass: a decode step (no prefill in it, so no plant either)
+    if planted:  # every prompt padded to the longest: a short prompt costs as much as a long one
+        real = engine.prefill
+        monkeypatch.setattr(engine, "prefill", lambda model, cache, ids_, mask=None: real(
+            model, engine.new_cache(model, 1, long), ids[long]))
+    # as engine.measure_prefills times them (a fresh cache per pass), interleaved with the prediction's inputs
+    t = interleaved({**{n: (lambda n=n: engine.prefill(lm.model, engine.new_cache(lm.model, 1, n), ids[n]))
+                        for n in (short, long)}, "step": lambda: next(step), "matmul": matmul}, repeats=5, warmup=1)
 
     def compute_floor(n: int) -> float:  # the notebook's flops_of(n) / flops_s
         flops = roofline.prefill_flops(P, n, s.n_layers, s.n_heads * s.head_dim) + 2 * s.vocab_size * s.hidden_size
-        return flops / flops_s
+        return flops / (2 * N**3 / t["matmul"].median)
 
-    if planted:  # every prompt padded to the longest: a short prompt costs as much as a long one
-        real, padded = engine.prefill, filler_ids(lm.tokenizer, long, lm.device)
-        monkeypatch.setattr(engine, "prefill", lambda model, cache, ids, mask=None: real(
-            model, engine.new_cache(model, 1, long), padded))
-    results = engine.measure_prefills(lm, [short, long], repeats=5)
-    predicted = roofline.growth_with_fixed_cost(dec.timing.median / dec.tokens, compute_floor(short),
-                                                compute_floor(long))
-    outcome(planted, lambda: decide_ratio(f"TTFT grows > 2x from {short} to {long} prompt tokens",
-                                          results[long].timing, results[short].timing, bar=2.0, predicted=predicted))
+    predicted = roofline.growth_with_fixed_cost(t["step"].median, compute_floor(short), compute_floor(long))
+    outcome(planted, lambda: decide_ratio(f"TTFT grows > 2x from {short} to {long} prompt tokens", t[long], t[short],
+                                          bar=2.0, predicted=predicted))
 
 
 @pytest.mark.parametrize("planted", CASES)
