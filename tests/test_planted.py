@@ -43,11 +43,19 @@ def stepper(lm, context: int, n: int = 8):
 
 
 def outcome(planted: bool, check) -> str | None:
-    """Run ``check()``: planted, it must fail; as is, it must pass or be undecided."""
+    """Run ``check()``: planted, it must fail; as is, it must pass or be undecided.
+
+    Planted and still "not decided here" (a machine so loaded that the prediction itself cannot clear
+    the bar by two spreads): the test is skipped with the check's own line, never passed.
+    """
     if planted:
-        with pytest.raises(TimingCheckFailed):
-            check()
-        return None
+        try:
+            result = check()
+        except TimingCheckFailed:
+            return None
+        if result == UNDECIDED:
+            pytest.skip("the planted regression could not be shown: the check was not decided on this machine now")
+        pytest.fail(f"the planted regression passed a decided timing check ({result})")
     result = check()
     assert result in (PASSED, UNDECIDED)
     return result
