@@ -167,3 +167,14 @@ def test_a_model_that_brings_its_own_phases_is_driven_by_the_engine(lm, hand):
     assert E.decode_speed(own, ids, 3, repeats=1, warmup=0).tokens == 3
     with pytest.raises(PromptTooLongError):  # its own max_context is honoured
         E.generate(own, ids, 64)
+
+
+def test_measure_prefills_interleaves_the_lengths(lm, monkeypatch):
+    from utils import engine as eng
+    seen = []
+    real = eng.prefill
+    monkeypatch.setattr(eng, "prefill", lambda model, cache, ids, mask=None: (seen.append(ids.shape[1]),
+                                                                             real(model, cache, ids, mask))[1])
+    got = eng.measure_prefills(lm, [8, 16], repeats=3, warmup=1)
+    assert seen == [8, 16] * 4  # round-robin: warm-up round, then three timed rounds
+    assert {n: (r.tokens, len(r.timing.samples)) for n, r in got.items()} == {8: (8, 3), 16: (16, 3)}

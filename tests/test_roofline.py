@@ -306,3 +306,40 @@ def test_cost_per_million_tokens_is_the_hourly_price_over_the_token_rate():
                 lambda: token_costs(-1, 10, 10), lambda: token_costs(1, 10, float("nan"))):
         with pytest.raises(WorkbookError):
             bad()
+
+
+# ------------------------------------------------------------------- the chapters' timing predictions
+
+def test_prefill_params_leave_out_the_lm_head():
+    # SmolLM2-135M in float32: tied embeddings, every weight read once per decode step.
+    read = 134_515_008 * 4
+    assert rl.prefill_params(read, 4, 49_152, 576) == 134_515_008 - 49_152 * 576
+    with pytest.raises(WorkbookError, match="LM head"):
+        rl.prefill_params(1_000 * 4, 4, 49_152, 576)
+
+
+def test_prefill_over_decode_is_the_ratio_of_the_two_ceilings():
+    # 130 GFLOP/s over 2 x 106 M params = 613 tok/s; 35 GB/s over 538 MB = 65 tok/s
+    ratio = rl.prefill_over_decode(130e9, 35e9, 106e6, 538e6)
+    assert ratio == pytest.approx((130e9 / (2 * 106e6)) / (35e9 / 538e6))
+    assert 9 < ratio < 10
+    assert rl.prefill_over_decode(260e9, 35e9, 106e6, 538e6) == pytest.approx(2 * ratio)  # faster matmuls
+
+
+def test_growth_with_fixed_cost():
+    assert rl.growth_with_fixed_cost(0.06, 0.025, 0.8) == pytest.approx(0.86 / 0.085)
+    assert rl.growth_with_fixed_cost(1.0, 0.0, 0.01) == pytest.approx(1.01)  # the fixed cost hides the work
+    with pytest.raises(WorkbookError):
+        rl.growth_with_fixed_cost(0.0, 0.1, 0.2)
+
+
+def test_step_costs_no_cache_grows_with_context_and_cached_stays_near_the_fixed_cost():
+    costs = rl.StepCosts(fixed_s=0.05, flops_per_s=100e9, bandwidth_bytes_s=30e9, block_params=106e6,
+                         kv_bytes_per_token=46_080, n_layers=30, n_heads=9, head_dim=64)
+    c = 512
+    flops = 2 * 106e6 * c + 2 * rl.attention_flops(30, 576, c)
+    assert costs.no_cache_s(c, traffic=False) == pytest.approx(0.05 + flops / 100e9)
+    assert costs.cached_s(c, traffic=False) == pytest.approx(0.05 + 46_080 * c / 30e9)
+    assert costs.no_cache_s(c) - costs.no_cache_s(c, False) == pytest.approx(
+        rl.attention_score_bytes(30, 9, c, 0, 4, 8) / 30e9)
+    assert costs.no_cache_s(c) / costs.cached_s(c) > 10 > costs.no_cache_s(32) / costs.cached_s(32)

@@ -176,3 +176,16 @@ def test_goodput_crossing_names_the_first_load_where_one_wins_or_says_it_never_d
     assert "lowest load tried" in V.goodput_crossing([1.0], [0.0], [1.0], "A", "B")
     with pytest.raises(ValueError):
         V.goodput_crossing(loads, [1.0], [1.0], "A", "B")
+
+
+def test_decide_near_judges_both_sides_of_the_band(capsys):
+    from utils.decide import PASSED, UNDECIDED, TimingCheckFailed
+    assert V.decide_near("total / predicted", [0.95, 1.0, 1.1]) == (PASSED, PASSED)
+    assert "✓ total / predicted < 2x" in capsys.readouterr().out
+    with pytest.raises(TimingCheckFailed, match="total / predicted < 2x"):
+        V.decide_near("total / predicted", [3.1, 3.0, 2.9])  # a planted slowdown
+    with pytest.raises(TimingCheckFailed, match="total / predicted > 0.5x"):
+        V.decide_near("total / predicted", [0.3, 0.31, 0.29])
+    assert V.decide_near("noisy", [0.5, 1.0, 3.0]) == (UNDECIDED, UNDECIDED)
+    with pytest.raises(ValueError, match="3 or more"):
+        V.decide_near("two", [1.0, 1.0])

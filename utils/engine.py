@@ -37,7 +37,7 @@ from .errors import check_prompt_length, check_token_count
 from .llama import KVCache, Llama
 from .models import LoadedModel
 from .sampling import GREEDY, Sampling, sample
-from .timing import Timing, measure, synchronize
+from .timing import Timing, interleaved, measure, synchronize
 from .tokens import encode, filler_ids
 
 # ----------------------------------------------------------------------------- the phases, either backend
@@ -325,6 +325,23 @@ def measure_prefill(lm: LoadedModel, n_tokens: int, *, repeats: int = 5, warmup:
     timing = measure(lambda cache: prefill(model, cache, ids), setup=lambda: new_cache(model, 1, n_tokens),
                      warmup=warmup, repeats=repeats, device=lm.device, desc=f"prefill {n_tokens}")
     return PhaseResult("prefill", n_tokens, timing)
+
+
+def measure_prefills(lm: LoadedModel, lengths: Sequence[int], *, repeats: int = 5, warmup: int = 1,
+                     model: Any = None) -> dict[int, PhaseResult]:
+    """:func:`measure_prefill` of several prompt lengths, interleaved (16, 64, 256, 16, 64, 256, ...).
+
+    A slow spell on a shared machine then weighs on every length alike, so ratios between lengths
+    (TTFT growth) keep their meaning. Each pass gets a fresh cache, created inside the timed call
+    (an empty transformers cache costs microseconds; a preallocated one is allocated in the timing).
+    """
+    model = model if model is not None else lm.model
+    for n in lengths:
+        check_prompt_length(n, max_context(model))
+    ids = {n: filler_ids(lm.tokenizer, n, lm.device) for n in lengths}
+    fns = {n: (lambda n=n: prefill(model, new_cache(model, 1, n), ids[n])) for n in lengths}
+    timings = interleaved(fns, repeats=repeats, warmup=warmup, device=lm.device, desc="prefills")
+    return {n: PhaseResult("prefill", n, timings[n]) for n in lengths}
 
 
 def decode_speed(model: Any, ids: Tensor, n_tokens: int = 32, *, repeats: int = 3, warmup: int = 1,

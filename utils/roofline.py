@@ -464,3 +464,79 @@ def max_sequences(memory_bytes: float, weight_bytes: float, kv_bytes_per_token: 
                                              reserve_fraction=reserve_fraction)
     context = check_count(context_tokens, "context_tokens", error=InvalidTokenCountError)
     return per_sequence_tokens // context
+
+
+# ----------------------------------------------------------------------- the chapters' timing predictions
+
+
+def prefill_params(weight_bytes_read_per_token: float, bytes_per_param: float, vocab_size: int,
+                   hidden_size: int) -> float:
+    """Parameters every prompt token goes through in a prefill pass (chapter 03's ``P``).
+
+    The weights a decode step reads, less the LM head (``vocab x hidden``), which a prefill
+    runs on the last position only; the input embedding is a lookup, not a matmul.
+    """
+    params = check_number(weight_bytes_read_per_token, "weight_bytes_read_per_token", "bytes") / check_number(
+        bytes_per_param, "bytes_per_param", "bytes per parameter")
+    head = check_count(vocab_size, "vocab_size") * check_count(hidden_size, "hidden_size")
+    if params <= head:
+        raise WorkbookError(f"{params:,.0f} parameters read per token leave none beside a {head:,}-weight LM head.")
+    return params - head
+
+
+def prefill_over_decode(flops_per_s: float, bandwidth_bytes_s: float, prompt_params: float,
+                        bytes_read_per_token: float) -> float:
+    """How many times decode's tok/s prefill makes, at the two ceilings (the prediction of 03, 04, 06).
+
+    Compute-bound prefill, ``FLOP/s / (2 x prompt_params)``, over bandwidth-bound decode,
+    ``bandwidth / bytes read per token``. Measured decode on a CPU usually sits well below
+    its ceiling, so the measured ratio is usually larger: a conservative prediction.
+    """
+    prefill, decode = ceiling_speeds(prompt_params, 1.0, flops_per_s, bandwidth_bytes_s, bytes_read_per_token)
+    return prefill / decode
+
+
+def growth_with_fixed_cost(fixed_s: float, work_short_s: float, work_long_s: float) -> float:
+    """``(fixed + long) / (fixed + short)``: how much longer the longer pass takes when every pass
+    also costs ``fixed_s`` (chapter 03: TTFT from the shortest to the longest prompt, with a
+    one-token pass as the fixed cost and FLOPs / FLOP/s as the work)."""
+    fixed = check_number(fixed_s, "fixed_s", "seconds")
+    short = check_number(work_short_s, "work_short_s", "seconds", allow_zero=True)
+    return (fixed + check_number(work_long_s, "work_long_s", "seconds", allow_zero=True)) / (fixed + short)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Chapter 05's time model of one step at context ``c``, without and with a KV cache (seconds).
+
+    Without: ``fixed + (2 x block_params x c + square x attention FLOPs) / FLOP/s``; with:
+    ``fixed + KV bytes of c tokens / bandwidth``; each plus, with ``traffic``, the score matrix's
+    passes over memory (:func:`attention_score_bytes`). ``fixed_s``: a one-token pass measured on
+    its own (a decode step at a short context), never the step being predicted.
+    """
+
+    fixed_s: float
+    flops_per_s: float
+    bandwidth_bytes_s: float
+    block_params: float
+    kv_bytes_per_token: float
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    square: int = 2  # a hand-written attention computes the whole c x c square: twice the causal triangle
+    score_passes: int = 8
+    score_bytes: float = 4
+
+    def score_traffic_s(self, new: int, cached: int) -> float:
+        nbytes = attention_score_bytes(self.n_layers, self.n_heads, new, cached, self.score_bytes, self.score_passes)
+        return nbytes / self.bandwidth_bytes_s
+
+    def no_cache_s(self, c: int, traffic: bool = True) -> float:
+        """One step that runs all ``c`` tokens again."""
+        flops = 2 * self.block_params * c + self.square * attention_flops(self.n_layers, self.n_heads * self.head_dim, c)
+        return self.fixed_s + flops / self.flops_per_s + (self.score_traffic_s(c, 0) if traffic else 0.0)
+
+    def cached_s(self, c: int, traffic: bool = True) -> float:
+        """One step of one new token over ``c`` cached ones."""
+        kv = self.kv_bytes_per_token * c / self.bandwidth_bytes_s
+        return self.fixed_s + kv + (self.score_traffic_s(1, c) if traffic else 0.0)

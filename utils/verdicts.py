@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .decide import decide
 from .errors import check_number
+from .timing import Timing
 
 TIE = 0.10
 """Relative gap below which two speeds are reported as about the same."""
@@ -296,3 +298,19 @@ def goodput_crossing(loads: Sequence[float], a: Sequence[float], b: Sequence[flo
     below = f"; below that they are within {tie:.0%} or {name_a} is ahead" if i > 0 else " (the lowest load tried)"
     return (f"{name_b} beats {name_a} from {loads[i]:.3g} {unit} offered (goodput {b[i]:.3g} vs {a[i]:.3g} {unit})"
             f"{ahead}{below}.")
+
+
+def decide_near(name: str, ratios: Sequence[float], *, low: float = 0.5, high: float = 2.0,
+                predicted: float = 1.0) -> tuple[str, str]:
+    """Decide that measured / predicted stays within ``[low, high]``: two timing checks through
+    :func:`utils.decide.decide`, on the median of ``ratios`` (one per repeat, ``>= 3`` for a spread).
+
+    ``predicted``: the ratio the time model expects (1.0 when each ratio is measured over its own
+    prediction). The spread is the ratios' IQR over their median. Returns both verdicts (high, low).
+    """
+    if len(ratios) < 3:
+        raise ValueError(f"{name}: a spread needs 3 or more ratios, got {len(ratios)}")
+    t = Timing(tuple(check_number(r, name, "ratio") for r in ratios))
+    return (decide(f"{name} < {high:g}x", t.median, bar=high, predicted=predicted, spread=t.relative_spread,
+                   above=False),
+            decide(f"{name} > {low:g}x", t.median, bar=low, predicted=predicted, spread=t.relative_spread))
