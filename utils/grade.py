@@ -159,12 +159,13 @@ def lab_in_name(stem: str, labs: Sequence[str]) -> str | None:
 
 
 def student_name(path: Path, labs: Sequence[str]) -> str:
-    """The parent folder (``class/alice/quantization.ipynb``), else the file name less the lab's name."""
+    """The parent folder (``class/alice/quantization.ipynb``; nbgrader's ``submitted/alice/<lab>/<lab>.ipynb``),
+    else the file name less the lab's name (``class/alice_quantization.ipynb``)."""
     lab = lab_in_name(path.stem, labs)
+    folder = next((p.name for p in path.parents if p.name.lower() != lab), path.parent.name)
     if lab is None or lab == path.stem.lower():
-        return path.parent.name if lab else path.stem
-    rest = re.sub(re.escape(lab), "", path.stem, flags=re.I).strip("_-. ")
-    return rest or path.parent.name
+        return folder if lab else path.stem
+    return re.sub(re.escape(lab), "", path.stem, flags=re.I).strip("_-. ") or folder
 
 
 def lab_of_notebook(nb: Any, labs: dict[str, Lab]) -> str | None:
