@@ -7,12 +7,13 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+GRADE_EXTRA := $(VENV)/.grade-extra
 # JupyterLab refuses to run as root (CI, containers) unless told.
 ROOT_FLAG := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 # Upper bound for the whole test step; CI allows 90 minutes.
 TEST_TIMEOUT ?= 3000  # the first pass; the test-model pass gets 1500 s
 
-.PHONY: setup model lab test unit notebooks notebooks-test-model browser-test bench report compare labs check-labs clean
+.PHONY: setup model lab test unit notebooks notebooks-test-model browser-test bench report compare labs check-labs clean grade test-grade nbgrader-course
 
 setup: $(STAMP) model
 
@@ -43,7 +44,7 @@ CI_REPORT := $(CURDIR)/reports/ci-quick-test-model
 NBVAL := --nbval-lax --nbval-current-env --nbval-cell-timeout=900 -p no:cacheprovider
 TEST_MODEL := $(CURDIR)/.cache/models/workbook-test-llama
 
-test: setup
+test: setup $(GRADE_EXTRA)
 	timeout 1800 $(PY) -m utils.bench $(BENCH_QUICK)
 	WORKBOOK_QUICK=1 timeout $(TEST_TIMEOUT) $(PY) -m pytest tests notebooks solutions -m "not browser" $(NBVAL)
 	WORKBOOK_QUICK=1 WORKBOOK_MODEL=$(TEST_MODEL) timeout 1500 $(PY) -m pytest notebooks solutions $(NBVAL)
@@ -95,6 +96,33 @@ labs: setup
 # Fail if labs/ is out of date with solutions/ (also a unit test).
 check-labs: setup
 	$(PY) -m tools.make_labs --check
+
+# The gradebook of a class: every submitted lab run in a fresh kernel, graded by its check cells
+# (utils/grade.py). make grade SUBMISSIONS="class/*/quantization.ipynb" [GRADES=grades] [CELL_TIMEOUT=600]
+# [NOTEBOOK_TIMEOUT=3600]; writes GRADES/grades.csv, grades.html and feedback/<student>-<lab>.md.
+SUBMISSIONS ?=
+GRADES ?= grades
+CELL_TIMEOUT ?= 600
+NOTEBOOK_TIMEOUT ?= 3600
+grade: setup
+	@test -n "$(strip $(SUBMISSIONS))" || { echo 'name the notebooks: make grade SUBMISSIONS="class/*/quantization.ipynb"'; exit 1; }
+	$(PY) -m utils.grade $(SUBMISSIONS) --out $(GRADES) --cell-timeout $(CELL_TIMEOUT) --notebook-timeout $(NOTEBOOK_TIMEOUT)
+
+# nbgrader (the `grade` extra, pinned in pyproject.toml) for tests/test_nbgrader.py; make test installs it.
+$(GRADE_EXTRA): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[grade]"
+	touch $@
+
+# Every real lab graded three times (solved: full marks; stub: zero; a planted mistake: its exercise only),
+# on the test model with the short settings. Slow (tests/test_grade_full.py), so not part of make test.
+test-grade: setup
+	WORKBOOK_GRADE_FULL=1 WORKBOOK_QUICK=1 WORKBOOK_MODEL=$(TEST_MODEL) $(PY) -m pytest tests/test_grade_full.py -m grade_full -p no:cacheprovider -s
+
+# An nbgrader course's source notebooks (the solved labs with their grading metadata), for a course on
+# nbgrader: then nbgrader generate_assignment <lab> and nbgrader autograde <lab> in that folder.
+NBGRADER_COURSE ?= nbgrader-course
+nbgrader-course: setup
+	$(PY) -m tools.make_labs --nbgrader $(NBGRADER_COURSE)
 
 clean:
 	rm -rf $(VENV) .cache
