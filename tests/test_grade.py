@@ -121,6 +121,18 @@ def test_generator_writes_nbgrader_and_workbook_metadata(toy: dict[str, Path]) -
     assert "return 2 * x" in lab.solved["double"] and "return 2 * x" not in cells[2].source
 
 
+def test_nbgrader_source_is_the_lab_with_solved_exercises(tmp_path: Path) -> None:
+    solution = fake_solution()
+    solution.cells.append(nbformat.v4.new_markdown_cell("Why?\n<!-- BEGIN SOLUTION -->\nBecause.\n<!-- END SOLUTION -->"))
+    nbformat.write(solution, tmp_path / "toy.ipynb")
+    [path] = make_labs.write_nbgrader_course(tmp_path / "course", tmp_path)
+    assert path == tmp_path / "course" / "source" / "toy" / "toy.ipynb"
+    source, lab = nbformat.read(path, as_version=4), make_labs.make_lab(solution)
+    assert [c.metadata for c in source.cells] == [c.metadata for c in lab.cells]
+    assert source.cells[2].source == DOUBLE and "assert square(4)" not in str(source.cells)
+    assert source.cells[-1].source == "Why?\n*Your answer here.*"  # nbgrader would take a marker for a region
+
+
 def test_check_cells_need_a_check_call_on_a_learners_name() -> None:
     code = nbformat.v4.new_code_cell
     plan = make_labs.grading_plan([

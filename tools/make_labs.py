@@ -197,6 +197,7 @@ def code_names(source: str) -> set[str]:
 
 
 def _mentions(source: str, names: set[str]) -> bool:
+    """True when the cell's code uses one of ``names``."""
     return bool(code_names(source) & names)
 
 

@@ -80,6 +80,7 @@ class Lab:
 
     @property
     def exercises(self) -> list[str]:
+        """The exercise ids, in the lab's order."""
         return list(self.points)
 
 
@@ -265,6 +266,7 @@ def repair_points(cells: Sequence[Any]) -> dict[int, tuple[str, int]]:
 
 
 def _new_lines(results: Path, before: int) -> list[dict[str, Any]]:
+    """The results file's JSON lines after the first ``before`` (figures and timing checks)."""
     try:
         return read_lines(results)[before:]
     except Exception:  # a student who wrote garbage into the file loses the figures, nothing else
@@ -351,6 +353,7 @@ def stop_kernel(km: AsyncKernelManager) -> None:
 
 
 def _first_line(text: str) -> str:
+    """The first non-blank line of ``text``, cut to 300 characters."""
     return next((line.strip() for line in str(text).splitlines() if line.strip()), "")[:300]
 
 
@@ -397,6 +400,7 @@ def zero(lab: Lab, verdict: str, message: str) -> list[Outcome]:
 
 
 def _first_error(cells: Sequence[Any], runs: dict[int, CellRun]) -> str | None:
+    """The first error of the run, with its cell's number and first line."""
     for index, run in sorted(runs.items()):
         if run.error:
             return f"cell {index} ({_first_line(cells[index].source)!r}): {run.error[0]}: {_first_line(run.error[1])}"
@@ -404,6 +408,7 @@ def _first_error(cells: Sequence[Any], runs: dict[int, CellRun]) -> str | None:
 
 
 def _missing_modules(runs: dict[int, CellRun]) -> list[str]:
+    """The modules a cell failed to import (``ModuleNotFoundError``), each once."""
     names = [re.findall(r"No module named '([^']+)'", run.error[1]) for run in runs.values()
              if run.error and run.error[0] == "ModuleNotFoundError"]
     return sorted({n[0] for n in names if n})
@@ -495,6 +500,7 @@ def pass_rates(class_: Sequence[Graded]) -> list[tuple[str, str, float, int]]:
 
 
 def _cell(o: Outcome) -> str:
+    """One gradebook cell: points out of, and the verdict unless passed."""
     note = "" if o.verdict == PASSED else f"<br><small>{html.escape(o.verdict)}</small>"
     return f"<td class='{o.verdict.replace(' ', '-')}'>{o.points}/{o.out_of}{note}</td>"
 
