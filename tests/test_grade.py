@@ -191,7 +191,7 @@ def test_merge_restores_edited_and_deleted_checks(toy: dict[str, Path]) -> None:
 
 BAD_SQUARE = "def square(x):\n    return x + x"  # right for 2, wrong for 3
 LOOP = "def square(x):\n    while True:\n        pass"
-CRASH = "import os\nos._exit(1)"
+CRASH = "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)  # what the out-of-memory killer sends"
 
 
 def write(nb: nbformat.NotebookNode, path: Path) -> Path:
@@ -274,6 +274,15 @@ def test_endless_loop_and_crash_stop_only_that_submission(graded_class: tuple[di
     assert scores(gus)["double"] == (2, 2, "passed")
     assert scores(gus)["square"] == (0, 1, "not reached") and scores(gus)["speedup"][0] == 0
     assert any("the kernel died" in p for p in gus.problems), gus.problems
+
+
+def test_a_memory_limit_turns_a_huge_allocation_into_a_failed_exercise(toy: dict[str, Path], tmp_path: Path) -> None:
+    hog = "def square(x):\n    return len(bytearray(8 * 2**30)) and x * x  # 8 GB"
+    path = write(with_exercise(solved_nb(toy), "square", hog), tmp_path / "hog" / "toy.ipynb")
+    [graded] = grade.grade_class([path], tmp_path / "grades", toy["labs"], toy["solutions"],
+                                 grade.Limits(cell_s=20, notebook_s=60, memory_gb=3))
+    assert scores(graded) == {**FULL, "square": (0, 1, "failed")}
+    assert graded.outcomes[1].messages == ["MemoryError"] and graded.problems == ["ran out of memory in cell 6"]
 
 
 def test_missing_module_wrong_lab_and_garbage_are_named(graded_class: tuple[dict[str, grade.Graded], Path]) -> None:

@@ -31,8 +31,8 @@ is left out of what the exercise is graded out of, and the gradebook says so.
 **What comes out** (in ``--out``): ``grades.csv`` (student, lab, exercise, points, out_of, verdict,
 detail), ``grades.html`` (the class table, and each exercise's pass rate, hardest first),
 ``feedback/<student>-<lab>.md`` (the check messages, the first error with its cell, the figures the
-student's machine recorded with :func:`utils.results.record`), ``executed/`` (each graded copy) and
-a summary on stdout with one line per problem.
+student's machine recorded with :func:`utils.results.record`), ``executed/`` (each graded copy),
+``logs/`` (each kernel's stderr: a crash's last words) and a summary on stdout with one line per problem.
 """
 
 from __future__ import annotations
@@ -236,10 +236,21 @@ class CellRun:
 
 @dataclass(frozen=True)
 class Limits:
-    """Time limits in seconds: one cell, and the whole notebook (repairs included)."""
+    """Time limits in seconds: one cell, and the whole notebook (repairs included); optionally the
+    kernel's address space in GB (past it an allocation raises ``MemoryError`` in the cell, instead of
+    the machine's out-of-memory killer choosing what to kill)."""
 
     cell_s: float = CELL_TIMEOUT_S
     notebook_s: float = NOTEBOOK_TIMEOUT_S
+    memory_gb: float | None = None
+
+    def kernel_arguments(self) -> list[str]:
+        """ipykernel's command-line arguments: quiet, and the memory limit when there is one."""
+        args = ["--IPKernelApp.log_level=ERROR"]
+        if self.memory_gb:
+            limit = int(self.memory_gb * 2**30)
+            args.append(f"--IPKernelApp.exec_lines=['import resource as _r; _r.setrlimit(_r.RLIMIT_AS, ({limit}, {limit}))']")
+        return args
 
 
 def kernel_manager() -> AsyncKernelManager:
@@ -284,7 +295,7 @@ def run_cell(client: NotebookClient, cell: Any, index: int, results: Path, deadl
     try:
         client.execute_cell(cell, index)
     except CellTimeoutError:
-        raise (NotebookTimeout() if client.timeout < limits.cell_s else CellTimeoutError(str(index))) from None
+        raise (NotebookTimeout() if left < limits.cell_s else CellTimeoutError(str(index))) from None
     lines = _new_lines(results, before)
     errors = [(o.get("ename", "Error"), o.get("evalue", "")) for o in cell.outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
@@ -305,18 +316,18 @@ def repair(client: NotebookClient, cells: Sequence[Any], point: tuple[str, int],
             run_cell(client, nbformat.from_dict(dict(cells[j])), j, results, deadline, limits)
 
 
-def execute(cells: list[Any], lab: Lab, workdir: Path, env: dict[str, str],
-            limits: Limits) -> tuple[dict[int, CellRun], str | None]:
-    """Run the merged cells in a fresh kernel (cwd ``workdir``); each code cell's first run, and why
-    the run stopped early (None if it did not)."""
+def execute(cells: list[Any], lab: Lab, workdir: Path, env: dict[str, str], limits: Limits,
+            log: Path) -> tuple[dict[int, CellRun], str | None]:
+    """Run the merged cells in a fresh kernel (cwd ``workdir``, its stderr to ``log``); each code cell's
+    first run, and why the run stopped early (None if it did not)."""
     nb, km = nbformat.v4.new_notebook(cells=cells), kernel_manager()
     client = NotebookClient(nb, km=km, allow_errors=True, shutdown_kernel="immediate",
-                            extra_arguments=["--IPKernelApp.log_level=ERROR"],
+                            extra_arguments=limits.kernel_arguments(),
                             resources={"metadata": {"path": str(workdir)}})
     results, runs, failed = Path(env[ENV_FILE]), {}, set()
     points, deadline, index, stop = repair_points(cells), time.monotonic() + limits.notebook_s, -1, None
     try:
-        with client.setup_kernel(env=env):
+        with open(log, "w", encoding="utf8") as stderr, client.setup_kernel(env=env, stderr=stderr):
             for index, cell in enumerate(cells):
                 if cell.cell_type != "code":
                     continue
@@ -364,7 +375,9 @@ def check_verdict(run: CellRun | None) -> tuple[str, str]:
     if run.error:
         ename, evalue = run.error
         verdict = NOT_ATTEMPTED if ename == "NotImplementedError" else FAILED
-        return verdict, f"{ename}: {_first_line(evalue)}" if not evalue.startswith("✗") else _first_line(evalue)
+        if evalue.startswith("✗"):  # a check's own verdict says it all
+            return verdict, _first_line(evalue)
+        return verdict, f"{ename}: {_first_line(evalue)}" if _first_line(evalue) else ename
     if run.undecided:
         marks = [line.strip() for line in run.text.splitlines() if line.lstrip().startswith(UNDECIDED_MARKERS)]
         return NOT_GRADABLE_HERE, "; ".join(marks) or "a timing check was not decided here"
@@ -430,11 +443,15 @@ def run_submission(graded: Graded, nb: Any, lab: Lab, out: Path, limits: Limits)
     workdir = Path(tempfile.mkdtemp(prefix=f"grade-{graded.student}-"))
     try:
         results = workdir / "results.jsonl"
-        runs, stop = execute(cells, lab, workdir, kernel_env(results, lab.name), limits)
+        log = out / "logs" / f"{graded.student}-{lab.name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        runs, stop = execute(cells, lab, workdir, kernel_env(results, lab.name), limits, log)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     graded.problems += [stop] if stop else []
     graded.problems += [f"imports {m}, a module the course does not ship" for m in _missing_modules(runs)]
+    graded.problems += [f"ran out of memory in cell {i}" for i, run in sorted(runs.items())
+                        if run.error and run.error[0] == "MemoryError"]
     graded.outcomes = score(cells, runs, lab)
     graded.first_error = _first_error(cells, runs)
     graded.figures = [f for run in runs.values() for f in run.figures]
@@ -605,12 +622,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--solutions", type=Path, default=REPO_ROOT / "solutions")
     p.add_argument("--cell-timeout", type=float, default=CELL_TIMEOUT_S, help="seconds per cell")
     p.add_argument("--notebook-timeout", type=float, default=NOTEBOOK_TIMEOUT_S, help="seconds per notebook")
+    p.add_argument("--memory-gb", type=float, help="cap each kernel's address space (MemoryError past it)")
     a = p.parse_args(argv)
     paths = expand(a.submissions)
     if not paths:
         print(f"nothing to grade: no file matches {' '.join(a.submissions)}")
         return 1
-    class_ = grade_class(paths, a.out, a.labs, a.solutions, Limits(a.cell_timeout, a.notebook_timeout), a.lab)
+    class_ = grade_class(paths, a.out, a.labs, a.solutions, Limits(a.cell_timeout, a.notebook_timeout, a.memory_gb), a.lab)
     print(summary(class_))
     print(f"gradebook: {a.out / 'grades.html'}, {a.out / 'grades.csv'}, feedback in {a.out / 'feedback'}/")
     return 0
