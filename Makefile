@@ -99,14 +99,15 @@ check-labs: setup
 
 # The gradebook of a class: every submitted lab run in a fresh kernel, graded by its check cells
 # (utils/grade.py). make grade SUBMISSIONS="class/*/quantization.ipynb" [GRADES=grades] [CELL_TIMEOUT=600]
-# [NOTEBOOK_TIMEOUT=3600]; writes GRADES/grades.csv, grades.html and feedback/<student>-<lab>.md.
+# [NOTEBOOK_TIMEOUT=3600] [MEMORY_GB=8]; writes GRADES/grades.csv, grades.html and feedback/<student>-<lab>.md.
 SUBMISSIONS ?=
 GRADES ?= grades
 CELL_TIMEOUT ?= 600
 NOTEBOOK_TIMEOUT ?= 3600
+MEMORY_GB ?=
 grade: setup
 	@test -n "$(strip $(SUBMISSIONS))" || { echo 'name the notebooks: make grade SUBMISSIONS="class/*/quantization.ipynb"'; exit 1; }
-	$(PY) -m utils.grade $(SUBMISSIONS) --out $(GRADES) --cell-timeout $(CELL_TIMEOUT) --notebook-timeout $(NOTEBOOK_TIMEOUT)
+	$(PY) -m utils.grade $(SUBMISSIONS) --out $(GRADES) --cell-timeout $(CELL_TIMEOUT) --notebook-timeout $(NOTEBOOK_TIMEOUT) $(if $(MEMORY_GB),--memory-gb $(MEMORY_GB))
 
 # nbgrader (the `grade` extra, pinned in pyproject.toml) for tests/test_nbgrader.py; make test installs it.
 $(GRADE_EXTRA): $(STAMP)
