@@ -285,12 +285,16 @@ def test_a_memory_limit_turns_a_huge_allocation_into_a_failed_exercise(toy: dict
     assert graded.outcomes[1].messages == ["MemoryError"] and graded.problems == ["ran out of memory in cell 6"]
 
 
-def test_missing_module_wrong_lab_and_garbage_are_named(graded_class: tuple[dict[str, grade.Graded], Path]) -> None:
-    graded, _ = graded_class
+def test_missing_module_wrong_lab_and_garbage_are_named(graded_class: tuple[dict[str, grade.Graded], Path],
+                                                       toy: dict[str, Path]) -> None:
+    graded, out = graded_class
     hal = graded["hal"]
     assert scores(hal) == {**FULL, "double": (0, 2, "failed")}
     assert "imports leftpad_magic, a module the course does not ship" in hal.problems
     assert graded["ivy"].problems == ["a notebook of the other lab, handed in as toy: not graded"]
+    only_toy = {"toy": grade.load_lab("toy", toy["labs"], toy["solutions"])}  # "other" is no lab of this course
+    again = grade.grade_one(graded["ivy"].path, only_toy, out, grade.Limits())
+    assert again.problems == ["a notebook of the other lab, handed in as toy: not graded"]
     assert all(o.points == 0 for o in graded["ivy"].outcomes)
     assert graded["zoe"].problems[0].startswith("not a notebook")
     assert [o.points for o in graded["zoe"].outcomes] == [0, 0, 0]
@@ -305,6 +309,7 @@ def test_gradebook_files(graded_class: tuple[dict[str, grade.Graded], Path]) -> 
     rates = grade.pass_rates(list(graded.values()))
     assert [r[1] for r in rates][0] == "square" and rates == sorted(rates, key=lambda r: r[2])
     page = (out / "grades.html").read_text(encoding="utf8")
+    assert "+1 not gradable here" in page
     assert "hardest first" in page and "leftpad_magic" in page and page.index("square") < page.rindex("double")
     text = (out / "feedback" / "bo-toy.md").read_text(encoding="utf8")
     assert "0 of 5 points" in text and "The first error" in text and "NotImplementedError" in text

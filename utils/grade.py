@@ -93,6 +93,7 @@ class Outcome:
     out_of: int
     verdict: str
     messages: list[str] = field(default_factory=list)
+    not_gradable: int = 0
 
 
 @dataclass
@@ -403,7 +404,7 @@ def score(cells: Sequence[Any], runs: dict[int, CellRun], lab: Lab) -> list[Outc
         verdict = next((v for v in order if v in verdicts), NOT_GRADED)
         if verdict == PASSED and NOT_GRADABLE_HERE in verdicts:
             messages.append(f"{verdicts.count(NOT_GRADABLE_HERE)} of {len(verdicts)} checks not gradable here")
-        outcomes.append(Outcome(exercise, won, out_of, verdict, messages))
+        outcomes.append(Outcome(exercise, won, out_of, verdict, messages, verdicts.count(NOT_GRADABLE_HERE)))
     return outcomes
 
 
@@ -474,6 +475,8 @@ def grade_one(path: Path, labs: dict[str, Lab], out: Path, limits: Limits, lab_h
         graded.outcomes = zero(labs[expected], NOT_GRADED, "not a notebook") if expected in labs else []
         return graded
     actual = lab_of_notebook(nb, labs)
+    origin = Path(nb.get("metadata", {}).get("workbook", {}).get("generated_from", "")).stem
+    actual = actual if not origin or origin in labs else origin  # a lab this course does not have
     graded.lab = expected = expected or actual or "?"
     if expected not in labs:
         graded.problems.append(f"not a notebook of any lab ({', '.join(labs)})")
@@ -519,6 +522,8 @@ def pass_rates(class_: Sequence[Graded]) -> list[tuple[str, str, float, int]]:
 def _cell(o: Outcome) -> str:
     """One gradebook cell: points out of, and the verdict unless passed."""
     note = "" if o.verdict == PASSED else f"<br><small>{html.escape(o.verdict)}</small>"
+    if o.not_gradable and o.verdict != NOT_GRADABLE_HERE:
+        note += f"<br><small>+{o.not_gradable} not gradable here</small>"
     return f"<td class='{o.verdict.replace(' ', '-')}'>{o.points}/{o.out_of}{note}</td>"
 
 
