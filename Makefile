@@ -7,10 +7,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+GRADE_EXTRA := $(VENV)/.grade-extra
 # JupyterLab refuses to run as root (CI, containers) unless told.
 ROOT_FLAG := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 
-.PHONY: setup model lab test unit notebooks notebooks-default-model notebooks-test-model test-under-load browser-test bench report compare labs check-labs clean
+.PHONY: setup model lab test unit notebooks notebooks-default-model notebooks-test-model test-under-load browser-test bench report compare labs check-labs clean grade test-grade nbgrader-course
 
 setup: $(STAMP) model
 
@@ -51,7 +52,7 @@ STEP = $(PYTHON) tools/step.py $(STEPS)
 
 test:
 	@mkdir -p reports && rm -f $(STEPS)
-	@$(STEP) setup -- $(MAKE) --no-print-directory setup
+	@$(STEP) setup -- $(MAKE) --no-print-directory setup $(GRADE_EXTRA)
 	@$(STEP) bench-quick -- timeout 1800 $(PY) -m utils.bench $(BENCH_QUICK)
 	@$(STEP) unit-tests -- timeout 900 $(PY) -m pytest tests -m "not browser" -p no:cacheprovider
 	@$(STEP) notebooks-default-model -- $(MAKE) --no-print-directory notebooks-default-model
@@ -113,6 +114,34 @@ labs: setup
 # Fail if labs/ is out of date with solutions/ (also a unit test).
 check-labs: setup
 	$(PY) -m tools.make_labs --check
+
+# The gradebook of a class: every submitted lab run in a fresh kernel, graded by its check cells
+# (utils/grade.py). make grade SUBMISSIONS="class/*/quantization.ipynb" [GRADES=grades] [CELL_TIMEOUT=600]
+# [NOTEBOOK_TIMEOUT=3600] [MEMORY_GB=8]; writes GRADES/grades.csv, grades.html and feedback/<student>-<lab>.md.
+SUBMISSIONS ?=
+GRADES ?= grades
+CELL_TIMEOUT ?= 600
+NOTEBOOK_TIMEOUT ?= 3600
+MEMORY_GB ?=
+grade: setup
+	@test -n "$(strip $(SUBMISSIONS))" || { echo 'name the notebooks: make grade SUBMISSIONS="class/*/quantization.ipynb"'; exit 1; }
+	$(PY) -m utils.grade $(SUBMISSIONS) --out $(GRADES) --cell-timeout $(CELL_TIMEOUT) --notebook-timeout $(NOTEBOOK_TIMEOUT) $(if $(MEMORY_GB),--memory-gb $(MEMORY_GB))
+
+# nbgrader (the `grade` extra, pinned in pyproject.toml) for tests/test_nbgrader.py; make test installs it.
+$(GRADE_EXTRA): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[grade]"
+	touch $@
+
+# Every real lab graded three times (solved: full marks; stub: zero; a planted mistake: its exercise only),
+# on the test model with the short settings. Slow (tests/test_grade_full.py), so not part of make test.
+test-grade: setup
+	WORKBOOK_GRADE_FULL=1 WORKBOOK_QUICK=1 WORKBOOK_MODEL=$(TEST_MODEL) $(PY) -m pytest tests/test_grade_full.py -m grade_full -p no:cacheprovider -s
+
+# An nbgrader course's source notebooks (the solved labs with their grading metadata), for a course on
+# nbgrader: then nbgrader generate_assignment <lab> and nbgrader autograde <lab> in that folder.
+NBGRADER_COURSE ?= nbgrader-course
+nbgrader-course: setup
+	$(PY) -m tools.make_labs --nbgrader $(NBGRADER_COURSE)
 
 clean:
 	rm -rf $(VENV) .cache

@@ -4,6 +4,7 @@ Run from the repository root::
 
     python -m tools.make_labs           # (re)write labs/<name>.ipynb for every solutions/<name>.ipynb
     python -m tools.make_labs --check   # write nothing; exit 1 and list what differs if labs/ is stale
+    python -m tools.make_labs --nbgrader COURSE   # an nbgrader course's source/ notebooks
 
 Only ``solutions/`` is edited by hand; ``labs/`` is always regenerated.
 
@@ -32,6 +33,19 @@ Hidden cells
     use it for what only makes sense once solved (e.g. an assert that the solution's
     numbers are right). The marker stays visible in the solution.
 
+Grading metadata (nbgrader-compatible)
+    A code cell with a solution region is an **exercise**; its id is the first name it
+    defines (``def int8_scales`` -> ``int8_scales``). A later code cell that calls a check
+    (``check_*(...)``, ``decide(...)``) and mentions a name an exercise above it defines is a
+    **check cell** of the nearest such exercise; checks before the first exercise, or on
+    nothing the learner wrote, are the lab's own and are not graded. Each lab cell gets
+    ``metadata.nbgrader`` (schema 3: exercises are solution cells, check cells are locked
+    autograded cells worth :data:`POINTS_PER_CHECK` point each, so an exercise is worth as
+    many points as it has check cells) and ``metadata.workbook`` (``{"exercise": id, "role":
+    "exercise" | "check"}``), which :mod:`utils.grade` reads. ``--nbgrader DIR`` writes an
+    nbgrader course's ``source/<lab>/<lab>.ipynb`` (the solved cells with the same metadata,
+    written answers stubbed, hidden cells dropped) for ``nbgrader generate_assignment``.
+
 Everything else
     Outputs, execution counts and per-cell ``execution`` timing metadata are stripped;
     cell ids, tags and notebook metadata are kept, and the notebook metadata records
@@ -46,9 +60,12 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import io
 import re
 import sys
+import tokenize
 from pathlib import Path
+from typing import Any
 
 import nbformat
 
@@ -61,7 +78,11 @@ CODE_END = re.compile(r"^[ \t]*### END SOLUTION\b")
 MD_BEGIN = re.compile(r"^\s*<!--\s*BEGIN SOLUTION\s*-->")
 MD_END = re.compile(r"^\s*<!--\s*END SOLUTION\s*-->")
 DEF_LINE = re.compile(r"^(?P<indent>[ \t]*)(?:async\s+)?def\s+(?P<name>\w+)\s*\(")
+CHECK_CALL = re.compile(r"\b(?:check_\w+|decide|decide_ratio)\s*\(")
+DEFINED = re.compile(r"^(?:(?:async\s+)?def\s+(\w+)|class\s+(\w+)|([A-Za-z_]\w*)\s*(?::[^=\n]*)?=(?!=))", re.M)
 HIDE_TAG = "hide-in-lab"
+POINTS_PER_CHECK = 1
+NBGRADER_SCHEMA = 3
 MD_STUB = "*Your answer here.*"
 
 
@@ -153,9 +174,70 @@ def lab_cell(cell: nbformat.NotebookNode) -> nbformat.NotebookNode:
     return new
 
 
+def has_solution(cell: nbformat.NotebookNode) -> bool:
+    """True for a code cell with a ``### BEGIN SOLUTION`` region: an exercise."""
+    return cell.cell_type == "code" and any(CODE_BEGIN.match(line) for line in cell.source.split("\n"))
+
+
+def defined_names(source: str) -> list[str]:
+    """Names a cell defines at its top level (``def``, ``class``, ``name =``), in order, once each."""
+    names = [next(g for g in found.groups() if g) for found in DEFINED.finditer(source)]
+    return list(dict.fromkeys(names))
+
+
+def code_names(source: str) -> set[str]:
+    """The names a cell's code uses, not counting comments and strings (IPython magics are skipped)."""
+    code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.split("\n"))
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(code).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return set(re.findall(r"\b[A-Za-z_]\w*\b", re.sub(r"#.*", "", code)))
+    return {tok.string for prev, tok in zip([None, *tokens], tokens)
+            if tok.type == tokenize.NAME and not (prev and prev.string == ".")}
+
+
+def _mentions(source: str, names: set[str]) -> bool:
+    """True when the cell's code uses one of ``names``."""
+    return bool(code_names(source) & names)
+
+
+def grading_plan(cells: list[nbformat.NotebookNode]) -> dict[int, dict[str, Any]]:
+    """``{cell index: {"exercise": id, "role": "exercise" | "check"[, "check": n]}}`` (module doc)."""
+    plan: dict[int, dict[str, Any]] = {}
+    exercises: list[tuple[str, set[str]]] = []
+    checks: dict[str, int] = {}
+    for index, cell in enumerate(cells):
+        if cell.cell_type != "code" or is_hidden(cell):
+            continue
+        if has_solution(cell):
+            names = defined_names(cell.source)
+            exercise = names[0] if names else f"exercise_{len(exercises) + 1}"
+            while exercise in checks:
+                exercise += "_"
+            exercises.append((exercise, set(names)))
+            checks[exercise] = 0
+            plan[index] = {"exercise": exercise, "role": "exercise"}
+        elif CHECK_CALL.search(cell.source):
+            owner = next((ex for ex, names in reversed(exercises) if _mentions(cell.source, names)), None)
+            if owner is not None:
+                checks[owner] += 1
+                plan[index] = {"exercise": owner, "role": "check", "check": checks[owner]}
+    return plan
+
+
+def nbgrader_metadata(entry: dict[str, Any]) -> dict[str, Any]:
+    """nbgrader's cell metadata (schema 3) for one :func:`grading_plan` entry."""
+    if entry["role"] == "exercise":
+        return {"grade": False, "grade_id": entry["exercise"], "locked": False,
+                "schema_version": NBGRADER_SCHEMA, "solution": True, "task": False}
+    return {"grade": True, "grade_id": f"{entry['exercise']}-check-{entry['check']}", "locked": True,
+            "points": POINTS_PER_CHECK, "schema_version": NBGRADER_SCHEMA, "solution": False, "task": False}
+
+
 def make_lab(solution: nbformat.NotebookNode, origin: str = "") -> nbformat.NotebookNode:
     """The lab notebook made from a solved one (the input is not modified)."""
     lab = nbformat.from_dict(dict(solution))
+    plan = grading_plan(solution.cells)
     cells = []
     for index, cell in enumerate(solution.cells):
         if is_hidden(cell):
@@ -164,6 +246,9 @@ def make_lab(solution: nbformat.NotebookNode, origin: str = "") -> nbformat.Note
             cells.append(lab_cell(cell))
         except MarkerError as exc:
             raise MarkerError(f"{origin or 'notebook'}, cell {index}: {exc}") from None
+        if index in plan:
+            cells[-1].metadata["nbgrader"] = nbgrader_metadata(plan[index])
+            cells[-1].metadata["workbook"] = dict(plan[index])
     lab.cells = cells
     lab.metadata = nbformat.from_dict(dict(solution.metadata))
     if origin:
@@ -172,6 +257,31 @@ def make_lab(solution: nbformat.NotebookNode, origin: str = "") -> nbformat.Note
             "generator": "python -m tools.make_labs (edit the solution, not this file)",
         }
     return lab
+
+
+def nbgrader_source(solution: nbformat.NotebookNode, origin: str = "") -> nbformat.NotebookNode:
+    """The lab with its exercise cells solved again: an nbgrader course's ``source/`` notebook.
+
+    ``nbgrader generate_assignment`` turns it back into the lab (it clears the same ``### BEGIN
+    SOLUTION`` regions); written answers stay stubbed, hidden cells stay out.
+    """
+    source = make_lab(solution, origin)
+    visible = [cell for cell in solution.cells if not is_hidden(cell)]
+    for cell, solved in zip(source.cells, visible):
+        if cell.metadata.get("workbook", {}).get("role") == "exercise":
+            cell.source = solved.source
+    return source
+
+
+def write_nbgrader_course(course: Path, solutions_dir: Path = SOLUTIONS_DIR) -> list[Path]:
+    """Write ``course/source/<lab>/<lab>.ipynb`` for every solved lab; the paths written."""
+    written = []
+    for path in sorted(Path(solutions_dir).glob("*.ipynb")):
+        target = Path(course) / "source" / path.stem / path.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nbgrader_source(nbformat.read(path, as_version=4), f"solutions/{path.name}"), target)
+        written.append(target)
+    return written
 
 
 def render_lab(solution_path: Path, origin: str | None = None) -> str:
@@ -229,7 +339,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="write nothing; exit 1 if labs/ differs from what solutions/ generates")
     parser.add_argument("--solutions", type=Path, default=SOLUTIONS_DIR)
     parser.add_argument("--labs", type=Path, default=LABS_DIR)
+    parser.add_argument("--nbgrader", type=Path, metavar="COURSE",
+                        help="write COURSE/source/<lab>/<lab>.ipynb for nbgrader generate_assignment")
     args = parser.parse_args(argv)
+    if args.nbgrader:
+        for path in write_nbgrader_course(args.nbgrader, args.solutions):
+            print(f"wrote {path}")
+        return 0
     if args.check:
         problems = check_labs(args.solutions, args.labs)
         for problem in problems:

@@ -32,6 +32,7 @@ modules listed before it (``tests/test_layering.py`` checks it).
 - ``chapter``       the first cell of every chapter: load the model, print the setup
 - ``bench``         the reference benchmark (``make bench``; last line JSON)
 - ``report``        the reference report: run every notebook, write HTML, results.json, index.html; compare
+- ``grade``         the gradebook: run submitted labs in fresh kernels, grade their check cells, write feedback
 """
 
 import logging as _logging
@@ -45,5 +46,5 @@ __version__ = "0.1.0"
 
 MODULE_ORDER = ("errors", "results", "device", "timing", "decide", "roofline", "hardware", "plotting", "tokens", "sampling",
                 "models", "peer", "llama", "phases", "llama_phases", "engine", "batching", "simulator", "paged", "meter", "verdicts", "quant", "variants", "fast", "speculative", "checks",
-                "chapter", "bench", "report")
+                "chapter", "bench", "report", "grade")
 """The package's modules, bottom to top: each imports only modules before it."""

@@ -1,5 +1,8 @@
 """Checks for lab answers: a clear verdict, and on failure, what exactly is wrong.
 
+A check this machine cannot judge calls :func:`not_gradable_here` instead: it prints
+``not gradable here: <name>: <reason>``, which the gradebook counts as neither pass nor failure.
+
 Each ``check_*`` function prints ``✓ <name>`` when the answer is right (and returns
 None, so a check on a cell's last line echoes nothing) and raises
 :class:`CheckFailed` (an ``AssertionError``, so pytest and nbval treat it as a failed
@@ -31,6 +34,9 @@ from .llama import Llama
 from .speculative import accept_greedy
 
 PASS_MARK = "✓"
+NOT_GRADABLE = "not gradable here:"
+"""The line prefix of a check this machine cannot judge (needs a GPU, trained weights...): the gradebook
+(:mod:`utils.grade`) counts such a check neither passed nor failed, like an undecided timing check."""
 
 
 class CheckFailed(AssertionError):
@@ -40,6 +46,11 @@ class CheckFailed(AssertionError):
 def passed(name: str, detail: str = "") -> None:
     """Print the one-line success verdict."""
     print(f"{PASS_MARK} {name}" + (f"  ({detail})" if detail else ""))
+
+
+def not_gradable_here(name: str, reason: str) -> None:
+    """Print that the check ``name`` is skipped on this machine, and why (``NOT_GRADABLE`` line)."""
+    print(f"{NOT_GRADABLE} {name}: {reason}")
 
 
 def fail(name: str, message: str) -> None:
