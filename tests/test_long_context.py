@@ -70,7 +70,7 @@ def test_int8_round_trip_error_is_at_most_half_a_step():
     q, scale = LC.quantize_kv(x)
     assert q.dtype == torch.int8 and scale.shape == (2, 3, 50, 1)
     err = (LC.dequantize_kv(q, scale, torch.float32) - x).abs()
-    assert bool((err <= scale.float() * 0.5 + x.abs().amax(-1, keepdim=True) * 1e-3).all())
+    assert bool((err <= scale.float() * 0.5 + 1e-6).all())
     assert LC.dequantize_kv(*LC.quantize_kv(torch.zeros(1, 4)), torch.float32).abs().max() == 0
 
 

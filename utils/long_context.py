@@ -142,10 +142,10 @@ def fill_cache(model: Llama, cache: KVCache, length: int, seed: int = 0) -> KVCa
 def quantize_kv(x: Tensor) -> tuple[Tensor, Tensor]:
     """Keys or values ``x`` [..., D] -> (int8 [..., D], scale [..., 1]): one absmax scale per vector.
 
-    ``scale = max|x| / 127``, ``q = round(x / scale)``: each element is off by at most ``scale / 2``.
-    The scale is stored in float16 (2 bytes per head and token).
+    ``scale = max|x| / 127``, rounded to float16 first (the 2 bytes stored per head and token), then
+    ``q = round(x / scale)``: each element is off by at most ``scale / 2``.
     """
-    scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / INT8_MAX
+    scale = (x.float().abs().amax(dim=-1, keepdim=True) / INT8_MAX).to(SCALE_DTYPE).float().clamp(min=2.0 ** -24)
     q = torch.round(x.float() / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale.to(SCALE_DTYPE)
 
@@ -315,7 +315,7 @@ def windowed(model: Llama, window: int | None) -> Iterator[Llama]:
 
 def _tile_scores(q: Tensor, k: Tensor, q0: int, k0: int, offset: int, causal: bool) -> Tensor:
     """Scaled scores of a query tile against a key tile, causal positions masked with -inf."""
-    s = (q @ k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])  # [B, H, bq, bk]
+    s = (q @ k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])  # [B, Hkv, G, bq, bk]
     if causal:
         qi = torch.arange(q0, q0 + q.shape[-2], device=q.device)[:, None] + offset
         ki = torch.arange(k0, k0 + k.shape[-2], device=q.device)[None, :]
@@ -326,30 +326,32 @@ def _tile_scores(q: Tensor, k: Tensor, q0: int, k0: int, offset: int, causal: bo
 def tiled_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, block: int = 128) -> Tensor:
     """``softmax(q kᵀ / √D) v`` in tiles of ``block`` queries x ``block`` keys, with an online softmax.
 
-    q [B, H, T, D]; k, v [B, Hkv, S, D] (``H % Hkv == 0``: grouped-query). Causal: the T queries are the
-    last T positions of the S keys. Per query it keeps a running max ``m``, a running sum ``l`` of
-    ``exp(score - m)`` and an unnormalised output; each new key tile rescales them by ``exp(m_old - m_new)``.
-    The largest temporary is one ``block x block`` tile per head, never ``T x S``.
+    q [B, H, T, D]; k, v [B, Hkv, S, D] (``H % Hkv == 0``: grouped-query, each group of ``H / Hkv`` query
+    heads reads its KV head in place, no copies). Causal: the T queries are the last T positions of the S keys.
+    Per query it keeps a running max ``m``, a running sum ``l`` of ``exp(score - m)`` and an unnormalised
+    output; each new key tile rescales them by ``exp(m_old - m_new)``. The largest temporary is one
+    ``block x block`` tile per head, never ``T x S``.
     """
     B, H, T, D = q.shape
-    if k.shape[1] == 0 or H % k.shape[1]:
-        raise WorkbookError(f"{H} query heads cannot share {k.shape[1]} KV heads evenly.")
-    k, v = (x.repeat_interleave(H // k.shape[1], dim=1) if k.shape[1] != H else x for x in (k, v))
-    S, offset, out = k.shape[-2], k.shape[-2] - T, torch.empty_like(q)
+    Hkv, S = k.shape[1], k.shape[-2]
+    if Hkv == 0 or H % Hkv:
+        raise WorkbookError(f"{H} query heads cannot share {Hkv} KV heads evenly.")
+    q5, k5, v5 = q.view(B, Hkv, H // Hkv, T, D), k[:, :, None], v[:, :, None]  # [B, Hkv, G, *, D]
+    offset, out = S - T, torch.empty_like(q5)
     for q0 in range(0, T, check_count(block, "block")):
-        qt = q[:, :, q0:q0 + block]
+        qt = q5[..., q0:q0 + block, :]
         m = torch.full(qt.shape[:-1] + (1,), float("-inf"), device=q.device)
         l, acc = torch.zeros_like(m), torch.zeros(qt.shape, device=q.device)
         k_end = min(S, q0 + qt.shape[-2] + offset) if causal else S  # later keys are all masked
         for k0 in range(0, k_end, block):
-            s = _tile_scores(qt, k[:, :, k0:k0 + block], q0, k0, offset, causal)
+            s = _tile_scores(qt, k5[..., k0:k0 + block, :], q0, k0, offset, causal)
             m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
             p, rescale = torch.exp(s - m_new), torch.exp(m - m_new)
             l = l * rescale + p.sum(dim=-1, keepdim=True)
-            acc = acc * rescale + p @ v[:, :, k0:k0 + block].float()
+            acc = acc * rescale + p @ v5[..., k0:k0 + block, :].float()
             m = m_new
-        out[:, :, q0:q0 + block] = (acc / l).to(q.dtype)
-    return out
+        out[..., q0:q0 + block, :] = (acc / l).to(q.dtype)
+    return out.view(B, H, T, D)
 
 
 def full_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
