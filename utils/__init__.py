@@ -22,6 +22,7 @@ modules listed before it (``tests/test_layering.py`` checks it).
 - ``batching``      many requests at once: static batches, a continuous scheduler, chunked prefill
 - ``simulator``     a serving cluster simulated with measured step costs: colocated vs disaggregated, goodput
 - ``paged``         a paged KV cache (blocks and block tables) and a prefix cache over it
+- ``long_context``  long context: the KV/weights crossover, an int8 KV cache, a sliding window, tiled attention
 - ``meter``         a per-request log line in the style of an inference engine, and its diagnosis
 - ``verdicts``      conclusions computed from this run's numbers (which is faster, what bounds decode)
 - ``quant``         weight-only int8 / int4 quantization (reference and PyTorch kernels), any layer width
@@ -45,6 +46,6 @@ for _name in ("torchao", "torch.utils._pytree"):
 __version__ = "0.1.0"
 
 MODULE_ORDER = ("errors", "results", "device", "timing", "decide", "roofline", "hardware", "plotting", "tokens", "sampling",
-                "models", "peer", "llama", "phases", "llama_phases", "engine", "batching", "simulator", "paged", "meter", "verdicts", "quant", "variants", "fast", "speculative", "checks",
+                "models", "peer", "llama", "phases", "llama_phases", "engine", "batching", "simulator", "paged", "long_context", "meter", "verdicts", "quant", "variants", "fast", "speculative", "checks",
                 "chapter", "bench", "report", "grade")
 """The package's modules, bottom to top: each imports only modules before it."""

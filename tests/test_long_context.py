@@ -1,0 +1,167 @@
+"""utils.long_context: tiled attention equals the full softmax; the int8 and sliding-window caches plug into
+the hand-written model through the cache interface and keep their promises; clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from utils import batching, engine
+from utils import long_context as LC
+from utils.errors import OutOfMemoryError, WorkbookError
+from utils.llama import LlamaArgs
+from utils.llama_phases import forward_no_cache
+from utils.variants import perplexity, tokens_agreed
+
+ROPE = {"rope_type": "default", "rope_theta": 10_000.0}
+
+
+def tiny_args(**kw) -> LlamaArgs:
+    base = dict(architecture="LlamaForCausalLM", vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                head_dim=16, hidden_dim=88, norm_eps=1e-5, rope=ROPE, max_context=256, tied_embeddings=False)
+    return LlamaArgs(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LC.random_llama(tiny_args(), seed=1)
+
+
+def ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(1, 96, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------- tiled attention
+
+
+@pytest.mark.parametrize("H,Hkv,T,S,block", [(4, 4, 37, 37, 8), (8, 2, 16, 50, 7), (6, 1, 1, 33, 16), (4, 2, 64, 64, 64)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_tiled_attention_equals_sdpa_and_the_full_softmax(H, Hkv, T, S, block, causal):
+    g = torch.Generator().manual_seed(H + T)
+    q = torch.randn(2, H, T, 16, generator=g)
+    k, v = torch.randn(2, Hkv, S, 16, generator=g), torch.randn(2, Hkv, S, 16, generator=g)
+    mask = torch.ones(T, S, dtype=torch.bool).tril(S - T) if causal else None
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(LC.tiled_attention(q, k, v, causal, block), sdpa, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(LC.full_attention(q, k, v, causal), sdpa, atol=1e-5, rtol=1e-4)
+
+
+def test_tiled_attention_never_holds_the_score_matrix():
+    q, k, v = (torch.randn(1, 4, 512, 16) for _ in range(3))
+    with LC.PeakMemory() as full:
+        LC.full_attention(q, k, v)
+    with LC.PeakMemory() as tiled:
+        LC.tiled_attention(q, k, v, block=32)
+    assert full.peak >= LC.score_matrix_bytes(1, 4, 512, 512)  # the T x S scores, float32
+    assert tiled.peak < LC.score_matrix_bytes(1, 4, 512, 512) / 4
+
+
+def test_tiled_attention_refuses_uneven_groups():
+    with pytest.raises(WorkbookError, match="KV heads"):
+        LC.tiled_attention(torch.randn(1, 4, 2, 8), torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8))
+
+
+# ----------------------------------------------------------------------------- int8 cache
+
+
+def test_int8_round_trip_error_is_at_most_half_a_step():
+    x = torch.randn(2, 3, 50, 16) * torch.rand(2, 3, 50, 1) * 10
+    q, scale = LC.quantize_kv(x)
+    assert q.dtype == torch.int8 and scale.shape == (2, 3, 50, 1)
+    err = (LC.dequantize_kv(q, scale, torch.float32) - x).abs()
+    assert bool((err <= scale.float() * 0.5 + 1e-6).all())
+    assert LC.dequantize_kv(*LC.quantize_kv(torch.zeros(1, 4)), torch.float32).abs().max() == 0
+
+
+def test_int8_cache_bytes_are_the_formula(model):
+    a = model.args
+    cache = LC.with_int8_kv(model).new_cache(2, 40)
+    assert cache.nbytes == LC.int8_kv_bytes_per_token(a.n_layers, a.n_kv_heads, a.head_dim) * 40 * 2
+    assert cache.nbytes * 4 == pytest.approx(model.new_cache(2, 40).nbytes * (a.head_dim + 2) / a.head_dim)
+
+
+def test_int8_cache_keeps_greedy_tokens_and_perplexity(model):
+    """Band: 24 greedy tokens equal on each of 3 prompts; perplexity within 1% of the float cache."""
+    int8 = LC.with_int8_kv(model)
+    for seed in range(3):
+        p = ids(12, seed)
+        want, got = engine.generate(model, p, 24)[0], engine.generate(int8, p, 24)[0]
+        assert tokens_agreed(got, want) == 24
+    text = ids(80, seed=9)
+    full, quantized = forward_no_cache(model, text), forward_no_cache(int8, text)
+    assert (quantized - full).abs().max() < 0.02 * full.abs().max()
+    assert perplexity(int8, text) == pytest.approx(perplexity(model, text), rel=0.01)
+    assert int8.lm_head.weight is model.lm_head.weight  # shared, not copied
+
+
+def test_int8_cache_serves_rows_of_their_own(model):
+    """The continuous-batching executor (rows at different positions) runs on the int8 cache unchanged."""
+    int8 = LC.with_int8_kv(model)
+    rows = batching.RowCache(int8, 2, 40)
+    assert isinstance(rows.cache, LC.Int8KVCache)
+    a, b = ids(9, 1)[0], ids(5, 2)[0]
+    ra, rb = rows.claim(), rows.claim()
+    tok = [int(batching.prefill_row(int8, rows, ra, a).argmax()), int(batching.prefill_row(int8, rows, rb, b).argmax())]
+    for _ in range(6):
+        nxt = batching.decode_rows(int8, rows, tok, [True, True]).argmax(-1).tolist()
+        tok = nxt
+    assert rows.lengths == [15, 11]
+    assert tok[0] == int(engine.generate(int8, a[None], 7)[0, -1])
+
+
+# ----------------------------------------------------------------------------- sliding window
+
+
+def test_window_cache_equals_the_window_mask(model):
+    p = ids(30, seed=4)
+    with LC.windowed(model, 8):
+        want = engine.generate(model, p, 20)[0]
+        cache = LC.window_cache(model, 1, 8)
+        logits = engine.prefill(model, cache, p)
+        ref = engine.prefill(model, model.new_cache(1, 30), p)
+    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-4)
+    got = [int(logits.argmax())]
+    for _ in range(19):
+        got.append(int(engine.decode_one_token(model, cache, torch.tensor([got[-1]])).argmax()))
+    assert got == want.tolist()
+    assert [b.attn.window for b in model.layers] == [None, None]  # restored
+
+
+def test_window_caps_memory_and_reads(model):
+    cache = LC.window_cache(model, 1, 16)
+    full = model.new_cache(1, 200)
+    LC.fill_cache(model, cache, 150)
+    assert cache.nbytes == model.new_cache(1, 16).nbytes < full.nbytes
+    assert cache.mask(torch.tensor([150]), 151).shape[-1] == 16  # a decode step reads W slots
+    assert set(cache.pos.tolist()) == set(range(134, 150))
+
+
+def test_a_new_prompt_does_not_see_the_last_request(model):
+    cache = LC.window_cache(model, 1, 8)
+    engine.prefill(model, cache, ids(20, seed=5))
+    p = ids(12, seed=6)
+    fresh = engine.prefill(model, LC.window_cache(model, 1, 8), p)
+    torch.testing.assert_close(engine.prefill(model, cache, p), fresh)
+
+
+# ----------------------------------------------------------------------------- shapes, crossover, errors
+
+
+def test_shape_args_and_the_crossover():
+    a = LC.shape_args("llama-3.2-1b", n_kv_heads=1)
+    assert (a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim, a.dim) == (16, 32, 1, 64, 2048)
+    assert LC.crossover_context(16e9, 131_072) == pytest.approx(122_070.3, rel=1e-6)
+    assert LC.crossover_context(16e9, 131_072, batch=8) == pytest.approx(122_070.3 / 8, rel=1e-6)
+    assert LC.step_seconds(1e9, 1e5, 10_000, 1e10) == pytest.approx(0.2)
+    with pytest.raises(WorkbookError, match="divide"):
+        LC.shape_args("llama-3.2-1b", n_kv_heads=5)
+
+
+def test_too_large_is_refused_with_the_numbers():
+    with pytest.raises(OutOfMemoryError, match="GB"):
+        LC.random_llama(LC.shape_args("llama-3.1-8b", n_layers=400))
+    with pytest.raises(WorkbookError):
+        LC.fill_cache(LC.random_llama(tiny_args()), LC.random_llama(tiny_args()).new_cache(1, 4), 5)
+    with pytest.raises(WorkbookError):
+        LC.with_int8_kv(object())
