@@ -148,3 +148,42 @@ def test_the_simulator_imports_no_torch():
     code = "import sys, utils.simulator, utils.scheduler; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ----------------------------------------------------------------------------- the lab's check names what is wrong
+
+
+def over_budget(running, waiting, budget, max_seqs):
+    return fcfs(running, waiting, None, max_seqs)
+
+
+def last_come_first(running, waiting, budget, max_seqs):
+    return fcfs(running, waiting[::-1], budget, max_seqs)
+
+
+def starve_the_first(running, waiting, budget, max_seqs):
+    plan = fcfs(running, waiting, budget, max_seqs)
+    rest = [(s, n) for s, n in plan if s.id != 0]
+    return rest or plan
+
+
+@pytest.fixture(scope="module")
+def lab_case():
+    from test_batching import tiny_hf
+    model = L.Llama.from_hf(tiny_hf())
+    trace = random_trace(6, seed=2)
+    return model, trace, alone(model, trace)
+
+
+@pytest.mark.parametrize("policy,message", [(over_budget, "over the budget"), (last_come_first, "first come"),
+                                            (starve_the_first, "request 0 is starved")])
+def test_check_policy_names_what_is_wrong(lab_case, policy, message):
+    from utils.checks import CheckFailed, check_policy
+    with pytest.raises(CheckFailed, match=message):
+        check_policy("policy", policy, *lab_case)
+
+
+def test_check_policy_passes_fcfs(lab_case, capsys):
+    from utils.checks import check_policy
+    check_policy("policy", fcfs, *lab_case)
+    assert "preemption" in capsys.readouterr().out

@@ -247,3 +247,52 @@ def serve(trace: Iterable[Request], scheduler: Scheduler, executor: Executor) ->
         loop.submit(seqs[r.id])
     loop.run_until()
     return [seqs[r.id] for r in reqs]
+
+
+# ----------------------------------------------------------------------------- auditing a policy
+
+
+class PolicyError(WorkbookError):
+    """A policy broke a rule of the schedule; the message names the request and the iteration."""
+
+
+class AuditedPolicy:
+    """Wraps a policy and checks every plan it makes: the budget, the seats, FCFS, and starvation.
+
+    ``patience``: iterations a running or admitted-able request may go without any token fed
+    while others are fed, before it counts as starved.
+    """
+
+    def __init__(self, policy: Policy, patience: int = 64) -> None:
+        self.policy, self.patience = policy, patience
+        self.iteration = 0
+        self.idle: dict[int, int] = {}  # request id -> iterations in a row without a token fed
+
+    def __call__(self, running: list[Sequence], waiting: list[Sequence], budget: int | None, max_seqs: int) -> Plan:
+        self.iteration += 1
+        plan = list(self.policy(list(running), list(waiting), budget, max_seqs))
+        it = f"iteration {self.iteration}"
+        fed = {s.id: n for s, n in plan}
+        if budget is not None and sum(fed.values()) > budget:
+            raise PolicyError(f"{it}: the plan feeds {sum(fed.values())} tokens, over the budget of {budget} "
+                              f"({[(s.id, n) for s, n in plan]}).")
+        for s, n in plan:
+            if s not in running and s not in waiting:
+                raise PolicyError(f"{it}: request {s.id} is neither running nor waiting.")
+            if not 0 < n <= s.to_compute:
+                raise PolicyError(f"{it}: request {s.id} is fed {n} tokens; it has {s.to_compute} to feed.")
+        admitted = [s for s in waiting if s.id in fed]
+        if admitted != waiting[:len(admitted)]:
+            raise PolicyError(f"{it}: admits {[s.id for s in admitted]} ahead of request {waiting[0].id}, "
+                              "which waited longer (first come, first served).")
+        if len(running) + len(admitted) > max_seqs:
+            raise PolicyError(f"{it}: {len(running) + len(admitted)} sequences would run; at most {max_seqs} may.")
+        self._starvation(running + waiting[:max(0, max_seqs - len(running))], fed, it)
+        return plan
+
+    def _starvation(self, eligible: list[Sequence], fed: dict[int, int], it: str) -> None:
+        for s in eligible:
+            self.idle[s.id] = 0 if s.id in fed else self.idle.get(s.id, 0) + 1
+            if self.idle[s.id] > self.patience and fed:
+                raise PolicyError(f"{it}: request {s.id} is starved: no token fed for {self.idle[s.id]} "
+                                  f"iterations while others ran ({sorted(fed)}).")
