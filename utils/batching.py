@@ -43,11 +43,11 @@ from torch import Tensor
 from . import engine
 from .blocks import BlockManager
 from .errors import WorkbookError, check_count
-from .executors import KVPool, ModelExecutor, row_server, run_packed
+from .executors import KVPool, row_server, run_packed
 from .llama import Llama
 from .plotting import COLORS
-from .requests import Request, Sequence as Seq, poisson_arrivals
-from .scheduler import Scheduler, Step, serve
+from .requests import Request, Sequence as Seq, poisson_arrivals  # poisson_arrivals: re-exported
+from .scheduler import serve
 from .timing import Timing, interleaved, synchronize
 from .tokens import filler_ids
 

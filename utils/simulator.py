@@ -49,7 +49,7 @@ from . import roofline
 from .blocks import BlockManager
 from .errors import WorkbookError, check_count, check_number
 from .requests import Request, Sequence as Seq, check_trace, synthetic_trace
-from .scheduler import Scheduler, ServingLoop, Step
+from .scheduler import Policy, Scheduler, ServingLoop, Step
 from .plotting import COLORS, finish, new_axes, plot_measured, plot_predicted
 
 # ----------------------------------------------------------------------------- what a step costs
@@ -180,9 +180,9 @@ class SimulatedExecutor:
 
 
 def machine(name: str, costs: StepCosts, rows: int, max_len: int, token_budget: int | None = None,
-            mixed: bool = True) -> ServingLoop:
+            mixed: bool = True, policy: Policy | None = None) -> ServingLoop:
     """One simulated machine: ``rows`` sequences at once, each reserving ``max_len`` slots (a contiguous cache)."""
-    scheduler = Scheduler(BlockManager(rows, max_len), rows, token_budget)
+    scheduler = Scheduler(BlockManager(rows, max_len), rows, token_budget, policy=policy)
     return ServingLoop(scheduler, SimulatedExecutor(costs, mixed), name)
 
 
@@ -205,17 +205,17 @@ def _max_len(reqs: Sequence[Request]) -> int:
 
 
 def simulate_colocated(requests: Sequence[Request], costs: StepCosts, machines: int = 1, rows: int = 16,
-                       token_budget: int | None = None, mixed: bool = True) -> list[Seq]:
+                       token_budget: int | None = None, mixed: bool = True, policy: Policy | None = None) -> list[Seq]:
     """Serve ``requests`` on ``machines`` that each run both phases; results in request order.
 
     Each machine is the serving core's loop (:class:`utils.scheduler.ServingLoop`) over ``rows``
     rows with :class:`SimulatedExecutor`: the same schedule as :func:`utils.batching.serve_continuous`
     on a clock that charges :meth:`StepCosts.step_s`. Each arrival goes to the machine with the
-    fewest requests in it (ties: lowest index).
+    fewest requests in it (ties: lowest index). ``policy``: the scheduler's (default FCFS, decodes first).
     """
     reqs = check_trace(requests)
     rows, n = check_count(rows, "rows"), check_count(machines, "machines")
-    pool = [machine(f"colocated {i}", costs, rows, _max_len(reqs), token_budget, mixed) for i in range(n)]
+    pool = [machine(f"colocated {i}", costs, rows, _max_len(reqs), token_budget, mixed, policy) for i in range(n)]
     seqs = {r.id: Seq(r) for r in reqs}
     _dispatch(sorted(((r.arrival_s, seqs[r.id]) for r in reqs), key=lambda x: x[0]), pool)
     return [seqs[r.id] for r in reqs]
