@@ -11,6 +11,7 @@ from utils import engine as E
 from utils import llama as L
 from utils.checks import CheckFailed, check_equal, check_served
 from utils.errors import WorkbookError
+from utils.requests import Sequence
 
 
 def tiny_hf(kind: str = "llama") -> nn.Module:
@@ -31,12 +32,12 @@ def random_trace(n: int = 7, seed: int = 3) -> list[B.Request]:
     arrivals = B.poisson_arrivals(n, rate_per_s=2000.0, seed=seed)  # tiny model: ~1 ms a step
     lens = torch.randint(3, 30, (n,), generator=g).tolist()
     outs = torch.randint(1, 12, (n,), generator=g).tolist()
-    return [B.Request(i, t, torch.randint(1, 96, (p,), generator=g), o)
+    return [B.Request(i, t, torch.randint(1, 96, (p,), generator=g).tolist(), o)
             for i, (t, p, o) in enumerate(zip(arrivals, lens, outs))]
 
 
 def alone(model, trace) -> dict[int, list[int]]:
-    return {r.id: E.generate(model, r.prompt[None], r.max_new_tokens)[0].tolist() for r in trace}
+    return {r.id: E.generate(model, torch.tensor(r.prompt)[None], r.max_new_tokens)[0].tolist() for r in trace}
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral"])
@@ -51,22 +52,6 @@ def test_left_pad_puts_prompts_at_the_right_edge():
     ids, mask = B.left_pad([torch.tensor([5, 6, 7]), torch.tensor([9])], pad_id=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 9]]
     assert mask.tolist() == [[True, True, True], [False, False, True]]
-    assert B.padding_share([3, 1]) == pytest.approx(2 / 6)
-    assert B.padding_share([4, 4, 4]) == 0.0
-
-
-def test_per_row_slots_equal_shared_slots(hand):
-    """A decode step with each row at its own slot gives the logits of the shared-slot step when they agree."""
-    ids = torch.randint(1, 96, (3, 10), generator=torch.Generator().manual_seed(0))
-    shared, rows = hand.new_cache(3, 16), B.RowCache(hand, 3, 16)
-    E.prefill(hand, shared, ids)
-    for r in range(3):
-        B.prefill_row(hand, rows, r, ids[r])
-    token = torch.tensor([4, 5, 6])
-    want = E.decode_one_token(hand, shared, token)
-    got = B.decode_rows(hand, rows, token.tolist(), [True] * 3)
-    assert torch.allclose(got, want, atol=1e-5)
-    assert rows.lengths == [11, 11, 11]
 
 
 def test_rows_view_shares_memory(hand):
@@ -86,10 +71,10 @@ def test_poisson_arrivals_are_seeded_and_increasing():
 # ----------------------------------------------------------------------------- the schedulers
 
 
-@pytest.mark.parametrize("chunk", [None, 4])
-def test_continuous_batching_gives_every_request_its_tokens_alone(hand, chunk):
+@pytest.mark.parametrize("budget,mixed", [(None, True), (6, True), (6, False)])
+def test_continuous_batching_gives_every_request_its_tokens_alone(hand, budget, mixed):
     trace = random_trace()
-    served = B.serve_continuous(hand, trace, rows=3, chunk=chunk)
+    served = B.serve_continuous(hand, trace, rows=3, token_budget=budget, mixed=mixed)
     check_served("continuous", served, trace, alone(hand, trace))
 
 
@@ -106,17 +91,10 @@ def test_continuous_batching_needs_the_hand_written_model():
         B.serve_continuous(tiny_hf(), random_trace(), rows=2)
 
 
-def test_a_row_that_runs_out_of_cache_is_a_clear_error(hand):
-    rows = B.RowCache(hand, 1, 4)
-    B.prefill_row(hand, rows, 0, torch.tensor([1, 2, 3, 4]))
-    with pytest.raises(Exception, match="full"):
-        B.decode_rows(hand, rows, [5], [True])
-
-
 def test_summary_of_a_known_trace():
-    r0, r1 = B.Request(0, 0.0, torch.tensor([1]), 3), B.Request(1, 1.0, torch.tensor([1]), 2)
-    s0 = B.Served(r0, 0.0, [1, 2, 3], [0.5, 1.0, 1.5])
-    s1 = B.Served(r1, 1.0, [4, 5], [2.0, 4.0])
+    r0, r1 = B.Request(0, 0.0, [1], 3), B.Request(1, 1.0, [1], 2)
+    s0 = Sequence(r0, [1, 2, 3], [0.5, 1.0, 1.5], 0.0)
+    s1 = Sequence(r1, [4, 5], [2.0, 4.0], 1.0)
     summary = B.summarize([s0, s1])
     assert summary.output_tokens == 5 and summary.makespan_s == 4.0
     assert summary.throughput_tok_s == pytest.approx(5 / 4)
@@ -150,10 +128,10 @@ def test_check_served_fails_on_reordered_requests(served_right):
 
 def test_check_served_fails_on_a_wrong_token_and_on_times_out_of_order(served_right):
     trace, served, ref = served_right
-    bad = B.Served(served[0].request, served[0].start_s, [*served[0].tokens[:-1], -1], served[0].token_s)
+    bad = Sequence(served[0].request, [*served[0].tokens[:-1], -1], served[0].token_s, served[0].start_s)
     with pytest.raises(CheckFailed, match="first difference"):
         check_served("s", [bad, *served[1:]], trace, ref)
-    early = B.Served(served[1].request, served[1].request.arrival_s - 1, served[1].tokens, served[1].token_s)
+    early = Sequence(served[1].request, served[1].tokens, served[1].token_s, served[1].request.arrival_s - 1)
     with pytest.raises(CheckFailed, match="out of order"):
         check_served("s", [served[0], early, *served[2:]], trace, ref)
 
@@ -169,3 +147,10 @@ def test_a_batch_without_its_mask_is_caught(lm):
     assert E.generate(model, ids, 8, mask)[0].tolist() == want.tolist()
     with pytest.raises(CheckFailed):
         check_equal("row 0 without its mask", E.generate(model, ids, 8)[0], want)
+
+
+def test_mixed_step_costs_times_both_ways(hand):
+    prompts = [list(range(1 + i, 21 + i)) for i in range(3)]
+    costs = B.mixed_step_costs(hand, prompts, [4, 8], context=16, repeats=2)
+    assert [c.chunk for c in costs] == [4, 8] and all(c.batch == 3 for c in costs)
+    assert all(c.mixed.median > 0 and c.separate.median > 0 for c in costs)

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from utils import batching as B
 from utils import llama as L
 from utils import simulator as S
 from utils.errors import WorkbookError
 from utils.hardware import accelerator
 from utils.roofline import LLAMA3_8B
+from utils.requests import Request, Sequence, synthetic_trace
 
 
 def costs(overhead: float = 0.0, rate: float = 100.0, decode=((1, 0.05), (4, 0.08)), kv: float = 1000.0) -> S.StepCosts:
@@ -20,8 +20,8 @@ def costs(overhead: float = 0.0, rate: float = 100.0, decode=((1, 0.05), (4, 0.0
     return S.fit_costs([(10, overhead + 10 / rate), (100, overhead + 100 / rate)], list(decode), kv)
 
 
-def req(i: int, t: float, prompt: int, out: int) -> S.SimRequest:
-    return S.SimRequest(i, t, prompt, out)
+def req(i: int, t: float, prompt: int, out: int) -> Request:
+    return Request.of_length(i, t, prompt, out)
 
 
 # ----------------------------------------------------------------------------- the costs
@@ -71,16 +71,16 @@ def test_two_requests_queue_for_one_row():
 
 def test_two_rows_prefill_both_then_decode_both():
     a, b = S.simulate_colocated([req(0, 0.0, 50, 2), req(1, 0.0, 50, 2)], costs(), rows=2)
-    assert a.token_s == pytest.approx([0.5, 1.06]) and b.token_s == pytest.approx([1.0, 1.06])
+    assert a.token_s == pytest.approx([1.0, 1.06]) and b.token_s == pytest.approx([1.0, 1.06])  # one pass of 100
 
 
 def test_chunked_prefill_bounds_the_gap_of_running_requests():
     c = costs(overhead=0.01)
     trace = [req(0, 0.0, 10, 60), req(1, 0.3, 400, 2)]
     whole = S.simulate_colocated(trace, c, rows=2)[0]
-    chunked = S.simulate_colocated(trace, c, rows=2, chunk=20)[0]
-    assert whole.max_tbt_s >= c.prefill_s(400)
-    assert chunked.max_tbt_s <= c.prefill_s(20) + c.decode_step_s(2) + 1e-12
+    chunked = S.simulate_colocated(trace, c, rows=2, token_budget=20)[0]
+    assert whole.max_tbt_s >= 400 / c.prefill_rate_tok_s
+    assert chunked.max_tbt_s <= 19 / c.prefill_rate_tok_s + c.decode_step_s(1) + 1e-12
     assert chunked.max_tbt_s < whole.max_tbt_s / 5
 
 
@@ -118,92 +118,42 @@ def test_the_prefill_pool_is_fifo_and_a_one_token_answer_never_leaves_it():
     assert res[0].machine == "prefill 0" and res[0].token_s == pytest.approx((0.5,))
 
 
-# ----------------------------------------------------------------------------- the real loop, mirrored exactly
-
-
-def tiny_llama() -> L.Llama:
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         eos_token_id=None, bos_token_id=None, pad_token_id=0)
-    return L.Llama.from_hf(tf.LlamaForCausalLM(cfg).eval())
-
-
-@pytest.mark.parametrize("chunk", [None, 8])
-def test_the_simulator_replays_serve_continuous_exactly_when_the_clock_charges_its_costs(monkeypatch, chunk):
-    c = costs(overhead=0.01)
-    charges: list[float] = []
-    real_prefill, real_decode = B.prefill_row, B.decode_rows
-
-    def prefill_row(model, rows, row, ids):
-        charges.append(c.prefill_s(len(ids)))
-        return real_prefill(model, rows, row, ids)
-
-    def decode_rows(model, rows, tokens, decoding):
-        charges.append(c.decode_step_s(len(tokens)))
-        return real_decode(model, rows, tokens, decoding)
-
-    def run(clock, fn):
-        out = fn()
-        clock.now += charges.pop()
-        return out
-
-    monkeypatch.setattr(B, "prefill_row", prefill_row)
-    monkeypatch.setattr(B, "decode_rows", decode_rows)
-    monkeypatch.setattr(B.Clock, "run", run)
-    g = torch.Generator().manual_seed(1)
-    arrivals = B.poisson_arrivals(9, rate_per_s=4.0, seed=2)
-    trace = [B.Request(i, t, torch.randint(1, 96, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g),
-                       int(torch.randint(1, 12, (1,), generator=g))) for i, t in enumerate(arrivals)]
-    served = B.serve_continuous(tiny_llama(), trace, rows=3, chunk=chunk)
-    simulated = S.simulate_colocated(S.from_trace(trace), c, rows=3, chunk=chunk)
-    for s, r in zip(served, simulated):
-        assert r.token_s == pytest.approx(s.token_s, abs=1e-9) and r.start_s == pytest.approx(s.start_s, abs=1e-9)
-    assert all(a.ratio == pytest.approx(1) for a in S.compare_with_measured(simulated, served))
-
-
 # ----------------------------------------------------------------------------- invariants
 
 
 def every_way(trace):
     c = costs(overhead=0.02)
     yield S.simulate_colocated(trace, c, machines=1, rows=4)
-    yield S.simulate_colocated(trace, c, machines=3, rows=2, chunk=16)
+    yield S.simulate_colocated(trace, c, machines=3, rows=2, token_budget=16)
     yield S.simulate_disaggregated(trace, c, 2, 2, rows=3, link_bytes_s=1e6, link_latency_s=0.01)
 
 
 def test_every_request_gets_exactly_its_tokens_in_order_after_it_arrived():
-    trace = S.synthetic_trace(60, rate_per_s=5.0, prompt_tokens=(8, 200), output_tokens=(1, 30), seed=4)
+    trace = synthetic_trace(60, rate_per_s=5.0, prompt_tokens=(8, 200), output_tokens=(1, 30), seed=4)
     for results in every_way(trace):
         assert [r.request for r in results] == trace
         for r in results:
-            assert len(r.token_s) == r.request.output_tokens
+            assert len(r.token_s) == r.request.max_new_tokens
             assert r.request.arrival_s <= r.start_s < r.token_s[0]
             assert all(g > 0 for g in r.gaps_s)
 
 
 def test_the_simulation_is_deterministic():
-    trace = S.synthetic_trace(40, rate_per_s=8.0, prompt_tokens=(8, 200), output_tokens=(1, 30), seed=5)
-    assert trace == S.synthetic_trace(40, rate_per_s=8.0, prompt_tokens=(8, 200), output_tokens=(1, 30), seed=5)
-    assert list(every_way(trace)) == list(every_way(trace))
-
-
-def test_from_trace_keeps_the_lengths():
-    trace = [B.Request(3, 0.5, torch.arange(7), 4)]
-    assert S.from_trace(trace) == [S.SimRequest(3, 0.5, 7, 4)]
+    trace = synthetic_trace(40, rate_per_s=8.0, prompt_tokens=(8, 200), output_tokens=(1, 30), seed=5)
+    assert trace == synthetic_trace(40, rate_per_s=8.0, prompt_tokens=(8, 200), output_tokens=(1, 30), seed=5)
+    times = lambda: [[(r.machine, r.start_s, r.token_s) for r in res] for res in every_way(trace)]
+    assert times() == times()
 
 
 # ----------------------------------------------------------------------------- goodput and the best split
 
 
 def test_goodput_counts_only_requests_that_met_both_targets():
-    r = S.SimRequest(0, 0.0, 10, 3)
-    results = [S.SimResult(r, "x", 0.0, (0.5, 0.6, 0.7)),  # meets both
-               S.SimResult(r, "x", 0.0, (0.9, 0.95, 1.0)),  # meets both: TTFT exactly at the target
-               S.SimResult(r, "x", 0.0, (1.5, 1.6, 1.7)),  # TTFT too long
-               S.SimResult(r, "x", 0.0, (0.5, 1.0, 1.5))]  # TPOT 0.5 too long
+    r = Request.of_length(0, 0.0, 10, 3)
+    results = [Sequence(r, [0] * 3, [0.5, 0.6, 0.7], 0.0),  # meets both
+               Sequence(r, [0] * 3, [0.9, 0.95, 1.0], 0.0),  # meets both: TTFT exactly at the target
+               Sequence(r, [0] * 3, [1.5, 1.6, 1.7], 0.0),  # TTFT too long
+               Sequence(r, [0] * 3, [0.5, 1.0, 1.5], 0.0)]  # TPOT 0.5 too long
     g = S.goodput(results, ttft_slo_s=0.9, tpot_slo_s=0.1, duration_s=2.0)
     assert (g.met, g.total, g.attainment, g.rate_per_s) == (2, 4, 0.5, 1.0)
     assert S.goodput(results, 0.9, 0.1).duration_s == pytest.approx(1.7)  # first arrival to last token
@@ -222,7 +172,7 @@ def test_best_split_is_disaggregated_when_prefill_stalls_decode():
 
 
 def test_best_split_is_colocated_when_the_link_is_slow():
-    cmp = S.best_split(interference_trace(), costs(), 3, ttft_slo_s=2.0, tpot_slo_s=0.07, chunk=10,
+    cmp = S.best_split(interference_trace(), costs(), 3, ttft_slo_s=2.0, tpot_slo_s=0.07, token_budget=10,
                        link_latency_s=5.0)  # the second token waits 5 s: TPOT fails everywhere disaggregated
     assert cmp.best is cmp.colocated and all(s.goodput.met == 0 for s in cmp.splits[1:])
     assert len(cmp.splits) == 3 and cmp.colocated.goodput.attainment == 1
@@ -234,14 +184,14 @@ def test_best_split_is_colocated_when_the_link_is_slow():
 @pytest.mark.parametrize("call", [
     lambda: S.simulate_colocated([req(0, 0, 5, 5)], costs(), rows=0),
     lambda: S.simulate_colocated([req(0, 0, 5, 5)], costs(), machines=1.5),
-    lambda: S.simulate_colocated([req(0, 0, 5, 5)], costs(), chunk=-1),
+    lambda: S.simulate_colocated([req(0, 0, 5, 5)], costs(), token_budget=-1),
     lambda: S.simulate_colocated([], costs()),
     lambda: S.simulate_colocated([req(0, 0, 5, 5), req(0, 1, 5, 5)], costs()),
     lambda: S.simulate_disaggregated([req(0, 0, 5, 5)], costs(), 0, 1),
     lambda: S.simulate_disaggregated([req(0, 0, 5, 5)], costs(), 1, 1, link_bytes_s=-1),
     lambda: S.simulate_disaggregated([req(0, 0, 5, 5)], costs(), 1, 1, link_latency_s=float("nan")),
-    lambda: S.SimRequest(0, 0.0, 0, 5),
-    lambda: S.SimRequest(0, -1.0, 5, 5),
+    lambda: Request.of_length(0, 0.0, 0, 5),
+    lambda: Request.of_length(0, -1.0, 5, 5),
     lambda: S.goodput([], 1, 1),
     lambda: S.goodput(S.simulate_colocated([req(0, 0, 5, 5)], costs()), 0, 1),
     lambda: S.best_split([req(0, 0, 5, 5)], costs(), 1, 1, 1),
@@ -250,7 +200,7 @@ def test_best_split_is_colocated_when_the_link_is_slow():
     lambda: S.fit_costs([(10, 0.2)], [(1, 0.1), (1, 0.2)], 1),
     lambda: S.fit_costs([(10, 0.2)], [(1, 0.1)], 0),
     lambda: S.costs_from_accelerator(accelerator("H100"), LLAMA3_8B, efficiency=1.5),
-    lambda: S.synthetic_trace(5, 1.0, (10, 5), (1, 2)),
+    lambda: synthetic_trace(5, 1.0, (10, 5), (1, 2)),
     lambda: S.compare_with_measured(S.simulate_colocated([req(0, 0, 5, 5)], costs()), []),
 ])
 def test_bad_input_is_a_clear_error(call):

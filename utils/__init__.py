@@ -19,7 +19,11 @@ modules listed before it (``tests/test_layering.py`` checks it).
 - ``phases``        prefill / decode / extend through transformers (one backend)
 - ``llama_phases``  prefill / decode / extend through the hand-written model (the other backend)
 - ``engine``        one request engine over either backend: generate, stream, time each phase
-- ``batching``      many requests at once: static batches, a continuous scheduler, chunked prefill
+- ``requests``      what a server knows of each request (torch-free): requests, sequences, token times, traces
+- ``blocks``        KV memory as blocks (torch-free): allocation, reference counts, prefix sharing
+- ``scheduler``     the serving core (torch-free): the scheduler, its policy, the one continuous-batching loop
+- ``executors``     run a scheduled step on the model: contiguous rows or paged blocks, mixed batches
+- ``batching``      many requests at once: static batches, continuous batching, what a chunk costs in a decode step
 - ``simulator``     a serving cluster simulated with measured step costs: colocated vs disaggregated, goodput
 - ``paged``         a paged KV cache (blocks and block tables) and a prefix cache over it
 - ``long_context``  long context: the KV/weights crossover, an int8 KV cache, a sliding window, tiled attention
@@ -46,6 +50,6 @@ for _name in ("torchao", "torch.utils._pytree"):
 __version__ = "0.1.0"
 
 MODULE_ORDER = ("errors", "results", "device", "timing", "decide", "roofline", "hardware", "plotting", "tokens", "sampling",
-                "models", "peer", "llama", "phases", "llama_phases", "engine", "batching", "simulator", "paged", "long_context", "meter", "verdicts", "quant", "variants", "fast", "speculative", "checks",
+                "models", "peer", "llama", "phases", "llama_phases", "engine", "requests", "blocks", "scheduler", "executors", "batching", "simulator", "paged", "long_context", "meter", "verdicts", "quant", "variants", "fast", "speculative", "checks",
                 "chapter", "bench", "report", "grade")
 """The package's modules, bottom to top: each imports only modules before it."""

@@ -30,7 +30,12 @@ import numpy as np
 import torch
 
 from . import engine, fast
+from .executors import paged_server, row_server
 from .llama import Llama
+from .requests import Request, synthetic_trace
+from .scheduler import AuditedPolicy, PolicyError, Scheduler, serve
+from .blocks import BlockManager
+from .simulator import SimulatedExecutor, fit_costs
 from .speculative import accept_greedy
 
 PASS_MARK = "✓"
@@ -198,7 +203,7 @@ def check_served(name: str, served: Sequence[Any], trace: Sequence[Any], referen
     tokens it makes when run alone (``reference[id]``), at times that make sense.
 
     ``served``: objects with ``request`` (``id``, ``arrival_s``), ``start_s``, ``tokens`` and ``token_s``
-    (e.g. :class:`utils.batching.Served`).
+    (e.g. :class:`utils.requests.Sequence`).
     """
     got, want = [s.request.id for s in served], [r.id for r in trace]
     if sorted(got) != sorted(want):
@@ -219,6 +224,39 @@ def check_served(name: str, served: Sequence[Any], trace: Sequence[Any], referen
                        f"{s.start_s:.3f} s, tokens at {[round(t, 3) for t in s.token_s[:4]]}...); a request "
                        "starts after it arrives and each token comes after the one before.")
     passed(name, f"{len(served)} requests, {sum(len(s.tokens) for s in served)} tokens, each as when alone")
+
+
+def check_policy(name: str, policy: Any, model: Llama, trace: Sequence[Request],
+                 reference: dict[int, list[int]], budget: int = 24) -> None:
+    """A scheduling policy ``(running, waiting, budget, max_seqs) -> [(seq, n)]``, run three ways:
+
+    simulated on a busy synthetic trace (every plan audited: budget overrun, seats, FCFS order, a
+    starved request); on ``model`` over contiguous rows with the token ``budget``; and over a paged
+    cache too small for everyone (preemptions): every request must get its ``reference`` tokens.
+    """
+    costs = fit_costs([(8, 0.01), (64, 0.05)], [(1, 0.01), (4, 0.012)], 1.0)
+    busy = synthetic_trace(40, 50.0, (4, 60), (1, 20), seed=3)
+    max_len = max(r.prompt_tokens + r.max_new_tokens for r in trace)
+    runs = [("simulated, busy trace", busy, Scheduler(BlockManager(6, 80), 6, budget, policy=AuditedPolicy(policy)),
+             SimulatedExecutor(costs)),
+            ("rows", trace, *row_server(model, 3, max_len, budget, policy=AuditedPolicy(policy))),
+            ("paged, small cache", trace, *paged_server(model, -(-2 * max_len // 8), 8, 4, budget,
+                                                        policy=AuditedPolicy(policy)))]
+    for label, reqs, scheduler, executor in runs:
+        try:
+            served = serve(reqs, scheduler, executor)
+        except PolicyError as e:
+            fail(name, f"{label}: {e}")
+        if reqs is trace:
+            for s in served:
+                if s.tokens != reference[s.id]:
+                    i = _first_difference(s.tokens, reference[s.id])
+                    why = f"preempted {s.preemptions}x, " if s.preemptions else ""
+                    fail(name, f"{label}: request {s.id} ({why}{len(s.tokens)} tokens) lost its tokens: first "
+                               f"difference with running alone at token {i}.")
+    pre = sum(s.preemptions for s in served)
+    passed(name, f"budget {budget} kept, FCFS, nobody starved; {len(trace)} requests exact on rows and on a "
+                 f"paged cache with {pre} preemption(s)")
 
 
 # ----------------------------------------------------------------------------- speculative decoding

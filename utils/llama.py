@@ -424,12 +424,13 @@ class Llama(nn.Module):
         return KVCache(a.n_layers, batch, a.n_kv_heads, max_len, a.head_dim, self.dtype, self.device)
 
     def forward(self, tokens: Tensor, slots: Tensor, cache: KVCache, kv_len: int,
-                last_only: bool = False) -> Tensor:
+                last_only: bool = False, keep: Tensor | None = None) -> Tensor:
         """One step: tokens [B, T] at cache ``slots`` -> logits [B, T, V] ([B, 1, V] if last_only).
 
         ``slots`` is [T] (every row at the same positions) or [B, T] (each row at its own:
         requests that started at different times). Writes the tokens' K/V into ``cache``
-        and attends to its first ``kv_len`` slots.
+        and attends to its first ``kv_len`` slots. ``keep`` [K]: logits only at those of the
+        T positions, [B, K, V] (a packed batch needs each sequence's last token only).
         """
         x = self.embed(tokens)  # [B, T, dim]
         rope = self.rope(cache.positions(slots), x.dtype)  # cos, sin: [B, T, head_dim]
@@ -438,6 +439,8 @@ class Llama(nn.Module):
             x = block(x, rope, masks[block.attn.window], cache, i, slots)
         if last_only:
             x = x[:, -1:]  # prefill needs only the next token: skip T-1 rows of the LM head
+        elif keep is not None:
+            x = x[:, keep]
         return self.lm_head(self.norm(x))  # [B, T, vocab]
 
 

@@ -11,7 +11,10 @@ from the model's type:
   at the next slot (bandwidth-bound);
 - :func:`extend` ``(model, cache, tokens) -> logits [B, T, V]``: several new positions after
   what the cache holds (a speculative verify, a chunk of a long prompt);
-- :func:`rollback` ``(cache, length)``: forget everything after ``length`` tokens.
+- :func:`rollback` ``(cache, length)``: forget everything after ``length`` tokens;
+- :func:`packed` ``(model, batch, tokens, keep) -> logits [K, V]``: several sequences' new
+  tokens in ONE row of one pass (a serving engine's mixed batch: prompt chunks and decode
+  tokens together); ``batch`` (:class:`utils.executors.PackedBatch`) says where each lives.
 
 :func:`forward_no_cache` recomputes a whole sequence (the quadratic baseline).
 ``decode_one_token(..., step=fn)`` runs ``fn`` (same call as the model, e.g. a compiled
@@ -139,3 +142,15 @@ def forward_no_cache(model: Llama, input_ids: Tensor, attention_mask: Tensor | N
     cache.valid.copy_(mask.to(cache.device))
     cache.n_pad.copy_((~mask).sum(dim=1).to(cache.device))
     return extend(model, cache, ids, last_only=last_only)
+
+
+@torch.inference_mode()
+def packed(model: Llama, batch: "KVCache", tokens: Tensor, keep: Tensor) -> Tensor:
+    """Tokens of several sequences packed in one row ``[N]``: logits ``[K, V]`` at positions ``keep`` [K].
+
+    ``batch`` gives each token its position and sequence (its RoPE position, what it may attend
+    to, where its K/V goes); the model's call is the same as for any cache.
+    """
+    check_token_ids(tokens, model.args.vocab_size)
+    slots = torch.zeros(1, len(tokens), dtype=torch.long, device=tokens.device)  # unused: the batch knows
+    return model(tokens[None], slots, batch, 0, keep=keep)[0]

@@ -3,16 +3,15 @@
 One machine can be measured; a cluster of them cannot, here. So the chapter measures what
 one step costs on this machine -- a prefill of ``n`` prompt tokens, one decode step over
 ``B`` rows -- and replays a trace of requests through a model of many machines that
-charges exactly those costs. Nothing is run on a model: the clock advances by the cost of
-each step, as :class:`utils.batching.Clock` advances by the measured time of the real one.
+charges exactly those costs. Nothing is run on a model: each machine is the serving core's
+one loop (:class:`utils.scheduler.ServingLoop`, the same scheduler as the real engine) with
+:class:`SimulatedExecutor`, whose steps cost what :class:`StepCosts` says instead of running.
 
-**Colocated** serving (:func:`simulate_colocated`): every machine runs both phases, with
-the iteration loop of :func:`utils.batching.serve_continuous`. Each iteration admits
-arrived requests into free rows, prefills (each new prompt whole, or with ``chunk`` at
-most ``chunk`` prompt tokens, oldest first), then runs one decode step for every row
-that has its first token. A long prompt's prefill delays every running request's next
-token: prefill and decode *interfere*. Chunked prefill (Sarathi, Agrawal et al. 2024)
-bounds that delay by one chunk.
+**Colocated** serving (:func:`simulate_colocated`): every machine runs both phases. Each
+iteration admits arrived requests (up to ``rows`` at once), feeds the decodes one token each
+and the prompts whole or, with a ``token_budget``, in chunks of what the budget leaves. A long
+prompt's prefill delays every running request's next token: prefill and decode *interfere*.
+Chunked prefill (Sarathi, Agrawal et al. 2024) bounds that delay by one chunk.
 
 **Disaggregated** serving (:func:`simulate_disaggregated`) puts the two phases on
 separate machines: a prefill pool computes each prompt's KV cache and first token, the
@@ -41,16 +40,16 @@ deterministic.
 from __future__ import annotations
 
 import math
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
 from . import roofline
-from .batching import Request, Served, TokenTimes, poisson_arrivals
+from .blocks import BlockManager
 from .errors import WorkbookError, check_count, check_number
-from .hardware import Accelerator
+from .requests import Request, Sequence as Seq, check_trace, synthetic_trace
+from .scheduler import Policy, Scheduler, ServingLoop, Step
 from .plotting import COLORS, finish, new_axes, plot_measured, plot_predicted
 
 # ----------------------------------------------------------------------------- what a step costs
@@ -97,6 +96,20 @@ class StepCosts:
         """Aggregate decode speed at ``batch`` rows: ``batch / decode_step_s(batch)``."""
         return batch / self.decode_step_s(batch)
 
+    def step_s(self, step: Step, mixed: bool = True) -> float:
+        """Seconds of one iteration: prompt chunks (``n > 1``) and decode tokens (``n == 1``).
+
+        ``mixed``: one pass, the decode step plus the chunks' tokens at the prefill rate (they share
+        its weight read); else each chunk's own prefill, then the decode step.
+        """
+        chunks = [n for _, n in step.work if n > 1]
+        batch = len(step.work) - len(chunks)
+        if not batch:
+            return self.prefill_s(sum(chunks)) if mixed else sum(self.prefill_s(n) for n in chunks)
+        if mixed:
+            return self.decode_step_s(batch) + sum(chunks) / self.prefill_rate_tok_s
+        return sum(self.prefill_s(n) for n in chunks) + self.decode_step_s(batch)
+
 
 def _fit_prefill_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """(overhead_s, rate_tok_s) of the least-squares line ``s = overhead + n / rate``, overhead >= 0."""
@@ -131,7 +144,7 @@ def fit_costs(prefill_points: Sequence[tuple[int, float]], decode_points: Sequen
     return StepCosts(overhead, rate, tuple(float(b) for b, _ in curve), tuple(t for _, t in curve), kv, label)
 
 
-def costs_from_accelerator(acc: Accelerator, shape: roofline.ModelShape, bytes_per_param: float = 2,
+def costs_from_accelerator(acc: Any, shape: roofline.ModelShape, bytes_per_param: float = 2,
                            efficiency: float = 0.5) -> StepCosts:
     """:class:`StepCosts` at an accelerator's roofline, reached at ``efficiency`` (0 < e <= 1).
 
@@ -153,193 +166,59 @@ def costs_from_accelerator(acc: Accelerator, shape: roofline.ModelShape, bytes_p
                      f"{shape.name} on {acc.name} at {e:.0%} of peak")
 
 
-# ----------------------------------------------------------------------------- requests and results
+# ----------------------------------------------------------------------------- the simulated executor
 
 
-@dataclass(frozen=True)
-class SimRequest:
-    """One request: when it arrives (s), its prompt length and how many tokens it makes."""
+class SimulatedExecutor:
+    """An executor that runs nothing: each step costs what :class:`StepCosts` says (tokens are 0)."""
 
-    id: int
-    arrival_s: float
-    prompt_tokens: int
-    output_tokens: int
+    def __init__(self, costs: StepCosts, mixed: bool = True) -> None:
+        self.costs, self.mixed = costs, mixed
 
-    def __post_init__(self) -> None:
-        check_number(self.arrival_s, "arrival_s", "s", allow_zero=True)
-        check_count(self.prompt_tokens, "prompt_tokens")
-        check_count(self.output_tokens, "output_tokens")
+    def execute(self, step: Step) -> tuple[list[int | None], float]:
+        return [0] * len(step.work), self.costs.step_s(step, self.mixed)
 
 
-@dataclass(frozen=True)
-class SimResult(TokenTimes):
-    """What happened to one request in the simulation (times in seconds on the cluster clock).
-
-    TTFT, latency, gaps, TPOT and the worst gap as for a real run (:class:`utils.batching.TokenTimes`).
-    """
-
-    request: SimRequest
-    machine: str  # where it decoded: "colocated 0", "decode 1"
-    start_s: float  # its prefill began
-    token_s: tuple[float, ...]  # when each output token existed
-
-    @property
-    def finish_s(self) -> float:
-        return self.token_s[-1]
+def machine(name: str, costs: StepCosts, rows: int, max_len: int, token_budget: int | None = None,
+            mixed: bool = True, policy: Policy | None = None) -> ServingLoop:
+    """One simulated machine: ``rows`` sequences at once, each reserving ``max_len`` slots (a contiguous cache)."""
+    scheduler = Scheduler(BlockManager(rows, max_len), rows, token_budget, policy=policy)
+    return ServingLoop(scheduler, SimulatedExecutor(costs, mixed), name)
 
 
-def from_trace(trace: Sequence[Request]) -> list[SimRequest]:
-    """The :class:`SimRequest` of each request of a :mod:`utils.batching` trace (lengths only)."""
-    return [SimRequest(r.id, r.arrival_s, len(r.prompt), r.max_new_tokens) for r in trace]
-
-
-def synthetic_trace(n: int, rate_per_s: float, prompt_tokens: tuple[int, int], output_tokens: tuple[int, int],
-                    seed: int = 0) -> list[SimRequest]:
-    """``n`` requests arriving as a Poisson process, lengths drawn uniformly from the (low, high) ranges."""
-    rng = np.random.default_rng(seed)
-    lengths = []
-    for lo, hi in (prompt_tokens, output_tokens):
-        if check_count(lo, "shortest length") > check_count(hi, "longest length"):
-            raise WorkbookError(f"A length range must be (low, high) with low <= high, got {(lo, hi)}.")
-        lengths.append(rng.integers(lo, hi + 1, size=n).tolist())
-    arrivals = poisson_arrivals(n, rate_per_s, seed)
-    return [SimRequest(i, t, p, o) for i, (t, p, o) in enumerate(zip(arrivals, *lengths))]
-
-
-def _check_requests(requests: Sequence[SimRequest]) -> list[SimRequest]:
-    if not requests or not all(isinstance(r, SimRequest) for r in requests):
-        raise WorkbookError("requests must be a non-empty list of SimRequest (see from_trace, synthetic_trace).")
-    if len({r.id for r in requests}) != len(requests):
-        raise WorkbookError("Every request needs its own id.")
-    return list(requests)
-
-
-# ----------------------------------------------------------------------------- one machine's loop
-
-
-@dataclass
-class _Job:
-    """A request inside the simulation: how far its prompt got, when each token existed."""
-
-    request: SimRequest
-    ready_s: float  # when a machine may admit it: its arrival, or when its KV cache arrived
-    prompt_done: int = 0
-    start_s: float = math.nan
-    token_s: list[float] = field(default_factory=list)
-    retired_s: float | None = None
-    machine: str = ""
-
-    @property
-    def done(self) -> bool:
-        return len(self.token_s) >= self.request.output_tokens
-
-    def result(self) -> SimResult:
-        return SimResult(self.request, self.machine, self.start_s, tuple(self.token_s))
-
-
-class _Machine:
-    """One machine running :func:`utils.batching.serve_continuous`'s loop, on a simulated clock."""
-
-    def __init__(self, name: str, costs: StepCosts, rows: int, chunk: int | None) -> None:
-        self.name, self.costs, self.chunk, self.clock = name, costs, chunk, 0.0
-        self.rows: list[_Job | None] = [None] * rows
-        self.queue: deque[_Job] = deque()
-        self.jobs: list[_Job] = []  # given to it and not known to have left
-
-    def load(self, t: float) -> int:
-        """Requests in it at time ``t``: queued or in a row (retired at ``t`` or before: gone)."""
-        self.jobs = [j for j in self.jobs if j.retired_s is None or j.retired_s > t]
-        return len(self.jobs)
-
-    def take(self, job: _Job) -> None:
-        job.machine = self.name
-        self.jobs.append(job)
-        self.queue.append(job)
-
-    def next_start(self) -> float:
-        """When its next iteration begins: now, or (nothing running) when the next job is ready."""
-        return self.clock if any(self.rows) else max(self.clock, self.queue[0].ready_s)
-
-    def run_until(self, t: float) -> None:
-        """Run the whole iterations that begin before ``t`` (one beginning at ``t`` may admit more)."""
-        while (self.queue or any(self.rows)) and self.next_start() < t:
-            self.iterate()
-
-    def iterate(self) -> None:
-        """One iteration: admit, prefill work, one decode step, retire."""
-        self.clock = self.next_start()  # nothing runs: jump to the next arrival
-        while self.queue and self.queue[0].ready_s <= self.clock and None in self.rows:
-            self.rows[self.rows.index(None)] = self.queue.popleft()  # the lowest free row
-        self._prefill_work()
-        self._decode_step()
-        for row, job in enumerate(self.rows):
-            if job is not None and job.done:
-                job.retired_s, self.rows[row] = self.clock, None
-
-    def _prefill_work(self) -> None:
-        """Prefill waiting prompts oldest first, each whole or within a budget of ``chunk`` tokens."""
-        budget = self.chunk if self.chunk is not None else math.inf
-        waiting = sorted((j.request.arrival_s, row) for row, j in enumerate(self.rows) if j and not j.token_s)
-        for _, row in waiting:
-            job = self.rows[row]
-            assert job is not None
-            take = int(min(budget, job.request.prompt_tokens - job.prompt_done))
-            if take <= 0:
-                return
-            if job.prompt_done == 0:
-                job.start_s = self.clock
-            self.clock += self.costs.prefill_s(take)
-            job.prompt_done, budget = job.prompt_done + take, budget - take
-            if job.prompt_done == job.request.prompt_tokens:  # the prompt is in: the first token exists
-                job.token_s.append(self.clock)
-
-    def _decode_step(self) -> None:
-        """One step for every row with its first token and tokens still to make.
-
-        Like :func:`utils.batching.decode_rows`, the step runs rows ``0 .. highest such row``:
-        its batch counts a free (or still prefilling) row below a decoding one.
-        """
-        active = [row for row, j in enumerate(self.rows) if j and j.token_s and not j.done]
-        if not active:
-            return
-        self.clock += self.costs.decode_step_s(max(active) + 1)
-        for row in active:
-            self.rows[row].token_s.append(self.clock)  # type: ignore[union-attr]
-
-
-def _dispatch(jobs: Sequence[_Job], machines: list[_Machine]) -> None:
-    """Give each job (in order of ``ready_s``) to the machine with the fewest requests in it; run all."""
-    for job in jobs:
+def _dispatch(seqs: Sequence[tuple[float, Seq]], machines: list[ServingLoop]) -> None:
+    """Give each sequence (in order of readiness) to the machine with the fewest requests in it; run all."""
+    for ready, seq in seqs:
         for m in machines:
-            m.run_until(job.ready_s)  # bring every machine up to the moment the job appears
-        _, target = min((m.load(job.ready_s), i) for i, m in enumerate(machines))
-        machines[target].take(job)
+            m.run_until(ready)  # bring every machine up to the moment the request appears
+        _, target = min((m.load(ready), i) for i, m in enumerate(machines))
+        machines[target].submit(seq, ready)
     for m in machines:
-        m.run_until(math.inf)
+        m.run_until()
+
+
+def _max_len(reqs: Sequence[Request]) -> int:
+    return max(r.prompt_tokens + r.max_new_tokens for r in reqs)
 
 
 # ----------------------------------------------------------------------------- the two ways to serve
 
 
-def simulate_colocated(requests: Sequence[SimRequest], costs: StepCosts, machines: int = 1, rows: int = 16,
-                       chunk: int | None = None) -> list[SimResult]:
+def simulate_colocated(requests: Sequence[Request], costs: StepCosts, machines: int = 1, rows: int = 16,
+                       token_budget: int | None = None, mixed: bool = True, policy: Policy | None = None) -> list[Seq]:
     """Serve ``requests`` on ``machines`` that each run both phases; results in request order.
 
-    Each machine runs the loop of :func:`utils.batching.serve_continuous` over ``rows`` rows:
-    when nothing runs it jumps to the next arrival; it admits arrived requests FIFO into
-    free rows (lowest first); prefills each new prompt whole (``prefill_s(prompt)`` each), or
-    with ``chunk`` at most ``chunk`` prompt tokens per iteration, oldest first (``prefill_s(piece)``
-    each); then one decode step for every row that has its first token. The first token
-    exists when the prompt's last piece is done, each later one at the end of a decode step.
-    Each arrival goes to the machine with the fewest requests in it (ties: lowest index).
+    Each machine is the serving core's loop (:class:`utils.scheduler.ServingLoop`) over ``rows``
+    rows with :class:`SimulatedExecutor`: the same schedule as :func:`utils.batching.serve_continuous`
+    on a clock that charges :meth:`StepCosts.step_s`. Each arrival goes to the machine with the
+    fewest requests in it (ties: lowest index). ``policy``: the scheduler's (default FCFS, decodes first).
     """
-    reqs = _check_requests(requests)
+    reqs = check_trace(requests)
     rows, n = check_count(rows, "rows"), check_count(machines, "machines")
-    chunk = None if chunk is None else check_count(chunk, "chunk")
-    pool = [_Machine(f"colocated {i}", costs, rows, chunk) for i in range(n)]
-    jobs = {r.id: _Job(r, r.arrival_s) for r in reqs}
-    _dispatch(sorted(jobs.values(), key=lambda j: j.ready_s), pool)
-    return [jobs[r.id].result() for r in reqs]
+    pool = [machine(f"colocated {i}", costs, rows, _max_len(reqs), token_budget, mixed, policy) for i in range(n)]
+    seqs = {r.id: Seq(r) for r in reqs}
+    _dispatch(sorted(((r.arrival_s, seqs[r.id]) for r in reqs), key=lambda x: x[0]), pool)
+    return [seqs[r.id] for r in reqs]
 
 
 def kv_transfer_s(costs: StepCosts, prompt_tokens: int, link_bytes_s: float, link_latency_s: float = 0.0) -> float:
@@ -354,40 +233,42 @@ def kv_transfer_s(costs: StepCosts, prompt_tokens: int, link_bytes_s: float, lin
     return costs.kv_bytes_per_token * check_count(prompt_tokens, "prompt_tokens") / link + latency
 
 
-def _prefill_pool(jobs: Sequence[_Job], costs: StepCosts, machines: int) -> None:
-    """Prefill each job FIFO (by arrival) on the first free prefill machine (ties: lowest index)."""
+def _prefill_pool(seqs: Sequence[Seq], costs: StepCosts, machines: int) -> None:
+    """Prefill each sequence FIFO (by arrival) on the first free prefill machine (ties: lowest index).
+
+    Not a batching loop: a prefill machine runs one prompt at a time. Its first token exists when the
+    prefill ends (the token itself is a placeholder: nothing runs)."""
     free_at = [0.0] * check_count(machines, "prefill_machines")
-    for job in sorted(jobs, key=lambda j: j.request.arrival_s):
-        start, i = min((max(t, job.request.arrival_s), i) for i, t in enumerate(free_at))
-        free_at[i] = start + costs.prefill_s(job.request.prompt_tokens)
-        job.start_s, job.prompt_done = start, job.request.prompt_tokens
-        job.token_s.append(free_at[i])  # the first token exists when its prefill ends
-        job.machine = f"prefill {i}"
+    for seq in sorted(seqs, key=lambda s: s.request.arrival_s):
+        start, i = min((max(t, seq.request.arrival_s), i) for i, t in enumerate(free_at))
+        free_at[i] = start + costs.prefill_s(seq.request.prompt_tokens)
+        seq.start_s, seq.num_computed, seq.machine = start, seq.request.prompt_tokens, f"prefill {i}"
+        seq.add(0, free_at[i])
 
 
-def simulate_disaggregated(requests: Sequence[SimRequest], costs: StepCosts, prefill_machines: int,
+def simulate_disaggregated(requests: Sequence[Request], costs: StepCosts, prefill_machines: int,
                            decode_machines: int, rows: int = 16, link_bytes_s: float = 50e9,
-                           link_latency_s: float = 0.0) -> list[SimResult]:
+                           link_latency_s: float = 0.0) -> list[Seq]:
     """Serve ``requests`` on a prefill pool and a decode pool; results in request order.
 
     Prefill machines take prompts FIFO, one at a time (``prefill_s(prompt)`` each); the first
     token exists when its prefill ends. The KV cache then moves over the link
     (:func:`kv_transfer_s`; transfers do not slow each other), and the request joins the decode
-    machine with the fewest requests in it, whose loop is :func:`simulate_colocated`'s without
-    prefill work: admit arrived transfers into free rows, one decode step for all. So the second
-    token pays for the transfer, the first does not. A one-token request never leaves prefill.
-    The default link is 50 GB/s (a 400 Gb/s network).
+    machine with the fewest requests in it: the same loop as :func:`simulate_colocated`, whose
+    sequences arrive with their prompt computed, so they only decode. The second token pays for
+    the transfer, the first does not. A one-token request never leaves prefill. The default link
+    is 50 GB/s (a 400 Gb/s network).
     """
-    reqs = _check_requests(requests)
+    reqs = check_trace(requests)
     rows = check_count(rows, "rows")
-    pool = [_Machine(f"decode {i}", costs, rows, None) for i in range(check_count(decode_machines, "decode_machines"))]
-    jobs = {r.id: _Job(r, r.arrival_s) for r in reqs}
-    _prefill_pool(list(jobs.values()), costs, prefill_machines)
-    for job in jobs.values():
-        job.ready_s = job.token_s[0] + kv_transfer_s(costs, job.request.prompt_tokens, link_bytes_s, link_latency_s)
-    to_decode = sorted((j for j in jobs.values() if not j.done), key=lambda j: (j.ready_s, j.request.arrival_s))
-    _dispatch(to_decode, pool)
-    return [jobs[r.id].result() for r in reqs]
+    n_decode = check_count(decode_machines, "decode_machines")
+    pool = [machine(f"decode {i}", costs, rows, _max_len(reqs)) for i in range(n_decode)]
+    seqs = {r.id: Seq(r) for r in reqs}
+    _prefill_pool(list(seqs.values()), costs, prefill_machines)
+    ready = [(s.token_s[0] + kv_transfer_s(costs, s.request.prompt_tokens, link_bytes_s, link_latency_s), s)
+             for s in seqs.values() if not s.done]
+    _dispatch(sorted(ready, key=lambda x: (x[0], x[1].request.arrival_s)), pool)
+    return [seqs[r.id] for r in reqs]
 
 
 # ----------------------------------------------------------------------------- goodput and the best split
@@ -412,12 +293,12 @@ class Goodput:
         return self.met / self.duration_s
 
 
-def meets_slo(result: SimResult, ttft_slo_s: float, tpot_slo_s: float) -> bool:
+def meets_slo(result: Seq, ttft_slo_s: float, tpot_slo_s: float) -> bool:
     """``TTFT <= ttft_slo_s`` and ``TPOT`` (mean time between its tokens) ``<= tpot_slo_s``."""
     return result.ttft_s <= ttft_slo_s and result.tpot_s <= tpot_slo_s
 
 
-def goodput(results: Sequence[SimResult], ttft_slo_s: float, tpot_slo_s: float,
+def goodput(results: Sequence[Seq], ttft_slo_s: float, tpot_slo_s: float,
             duration_s: float | None = None) -> Goodput:
     """Requests per second that met both targets (and the share that did).
 
@@ -463,14 +344,14 @@ class SplitComparison:
         return max(self.splits, key=lambda s: (s.goodput.rate_per_s, -self.splits.index(s)))
 
 
-def best_split(requests: Sequence[SimRequest], costs: StepCosts, n_machines: int, ttft_slo_s: float,
-               tpot_slo_s: float, rows: int = 16, chunk: int | None = None, link_bytes_s: float = 50e9,
+def best_split(requests: Sequence[Request], costs: StepCosts, n_machines: int, ttft_slo_s: float,
+               tpot_slo_s: float, rows: int = 16, token_budget: int | None = None, link_bytes_s: float = 50e9,
                link_latency_s: float = 0.0) -> SplitComparison:
-    """Goodput of ``n_machines`` colocated (with ``chunk``) and of every prefill/decode split of them."""
+    """Goodput of ``n_machines`` colocated (with ``token_budget``) and of every prefill/decode split of them."""
     n = check_count(n_machines, "n_machines")
     if n < 2:
         raise WorkbookError(f"Splitting needs at least 2 machines (one per pool), got {n}.")
-    one = simulate_colocated(requests, costs, n, rows, chunk)
+    one = simulate_colocated(requests, costs, n, rows, token_budget)
     splits = [Split(0, n, goodput(one, ttft_slo_s, tpot_slo_s))]
     for p in range(1, n):
         res = simulate_disaggregated(requests, costs, p, n - p, rows, link_bytes_s, link_latency_s)
@@ -512,13 +393,13 @@ class Sweep:
 
 def goodput_sweep(costs: StepCosts, n_machines: int, ttft_slo_s: float, tpot_slo_s: float, *,
                   prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], rows: int = 16,
-                  chunk: int | None = None, link_bytes_s: float = 50e9, n_requests: int = 200,
+                  token_budget: int | None = None, link_bytes_s: float = 50e9, n_requests: int = 200,
                   loads: Sequence[float] = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5), seed: int = 7) -> Sweep:
     """:func:`best_split` at loads of ``loads x`` the rough capacity of ``n_machines`` (one seeded trace each)."""
     unit = n_machines * capacity_per_machine(costs, rows, prompt_tokens, output_tokens)
     rates = [f * unit for f in loads]
     table = [best_split(synthetic_trace(n_requests, r, prompt_tokens, output_tokens, seed=seed), costs, n_machines,
-                        ttft_slo_s, tpot_slo_s, rows=rows, chunk=chunk, link_bytes_s=link_bytes_s) for r in rates]
+                        ttft_slo_s, tpot_slo_s, rows=rows, token_budget=token_budget, link_bytes_s=link_bytes_s) for r in rates]
     return Sweep(rates, table)
 
 
@@ -567,10 +448,10 @@ def _trace_figures(items: Sequence[Any]) -> dict[str, float]:
             "makespan": max(last) - min(arrive)}
 
 
-def compare_with_measured(simulated: Sequence[SimResult], measured: Sequence[Served]) -> list[Agreement]:
+def compare_with_measured(simulated: Sequence[Seq], measured: Sequence[Seq]) -> list[Agreement]:
     """The simulator's figures of a trace against the measured run of the same trace."""
     if len(simulated) != len(measured):
         raise WorkbookError(f"{len(simulated)} simulated results against {len(measured)} measured ones: "
-                            "simulate the same trace (from_trace) that was served.")
+                            "simulate the same trace  that was served.")
     sim, real = _trace_figures(simulated), _trace_figures(measured)
     return [Agreement(k, sim[k], real[k]) for k in sim]
