@@ -63,7 +63,7 @@ def outcome(planted: bool, check) -> str | None:
 
 @pytest.mark.parametrize("planted", CASES)
 def test_05_a_disabled_cache_fails_cached_vs_uncached(lm, planted):
-    """05: 'cached decode step beats no cache by > 2x', predicted by StepCosts with a fixed cost measured apart."""
+    """05: 'cached decode step beats no cache by > 2x', predicted by CacheStepModel with a fixed cost measured apart."""
     model, s, c = lm.model, lm.spec, 256
     ids, short, cached = filler_ids(lm.tokenizer, c, lm.device), stepper(lm, 32), stepper(lm, c)
 
@@ -74,7 +74,7 @@ def test_05_a_disabled_cache_fails_cached_vs_uncached(lm, planted):
     # the two compared; planted, the "cached" step at c runs the whole sequence again
     t = interleaved({"fixed": lambda: next(short), "matmul": matmul, "no cache": no_cache,
                      "cached": no_cache if planted else (lambda: next(cached))}, repeats=5, warmup=1)
-    costs = roofline.StepCosts(  # transformers' fused attention: the causal triangle, no score traffic
+    costs = roofline.CacheStepModel(  # transformers' fused attention: the causal triangle, no score traffic
         fixed_s=t["fixed"].median, flops_per_s=2 * N**3 / t["matmul"].median,
         bandwidth_bytes_s=probe_bandwidth(lm.device, probes=1).best,
         block_params=sum(p.numel() for p in model.model.layers.parameters()), kv_bytes_per_token=s.kv_bytes_per_token,

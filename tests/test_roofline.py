@@ -334,7 +334,7 @@ def test_growth_with_fixed_cost():
 
 
 def test_step_costs_no_cache_grows_with_context_and_cached_stays_near_the_fixed_cost():
-    costs = rl.StepCosts(fixed_s=0.05, flops_per_s=100e9, bandwidth_bytes_s=30e9, block_params=106e6,
+    costs = rl.CacheStepModel(fixed_s=0.05, flops_per_s=100e9, bandwidth_bytes_s=30e9, block_params=106e6,
                          kv_bytes_per_token=46_080, n_layers=30, n_heads=9, head_dim=64)
     c = 512
     flops = 2 * 106e6 * c + 2 * rl.attention_flops(30, 576, c)

@@ -506,7 +506,7 @@ def growth_with_fixed_cost(fixed_s: float, work_short_s: float, work_long_s: flo
 
 
 @dataclass(frozen=True)
-class StepCosts:
+class CacheStepModel:
     """Chapter 05's time model of one step at context ``c``, without and with a KV cache (seconds).
 
     Without: ``fixed + (2 x block_params x c + square x attention FLOPs) / FLOP/s``; with:
