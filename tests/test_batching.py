@@ -154,3 +154,13 @@ def test_mixed_step_costs_times_both_ways(hand):
     costs = B.mixed_step_costs(hand, prompts, [4, 8], context=16, repeats=2)
     assert [c.chunk for c in costs] == [4, 8] and all(c.batch == 3 for c in costs)
     assert all(c.mixed.median > 0 and c.separate.median > 0 for c in costs)
+
+
+def test_packed_step_costs_time_the_executors_passes_for_the_simulators_fit():
+    from utils.simulator import fit_costs
+    model = L.Llama.from_hf(tiny_hf())
+    prefill, decode = B.packed_step_costs(model, 7, [8, 32], [1, 2], context=16, repeats=3)
+    assert [n for n, _ in prefill] == [8, 32] and [b for b, _ in decode] == [1, 2]
+    assert all(s > 0 for _, s in prefill + decode)
+    costs = fit_costs(prefill, decode, 1024)
+    assert costs.prefill_s(32) > 0 and costs.decode_step_s(2) > 0

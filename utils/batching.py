@@ -201,6 +201,26 @@ def mixed_step_costs(model: Llama, prompts: Sequence[Sequence[int]], chunks: Seq
     return out
 
 
+def packed_step_costs(model: Llama, token: int, prompt_lens: Sequence[int], batches: Sequence[int], context: int,
+                      repeats: int = 3) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """What the serving loop's steps cost, timed through the executor it runs (:func:`run_packed`), interleaved:
+    ``[(prompt tokens, seconds of that prefill pass)]`` and ``[(batch, seconds of a decode step at context)]``,
+    the points :func:`utils.simulator.fit_costs` fits. ``token`` fills the prompts (speed does not depend on it)."""
+    n, length = max(batches) + 1, max(max(prompt_lens), context) + 1
+    pool, blocks = KVPool(model, n, length), BlockManager(n, length)
+    seqs = [Seq(Request(i, 0.0, (token,) * length, 1)) for i in range(n)]
+    for seq in seqs:
+        blocks.grow(seq, length)
+    with torch.inference_mode():
+        for seq in seqs[1:]:  # fill their caches; from here on each feeds its token at ``context``
+            run_packed(model, pool, [(seq, context)])
+            seq.num_computed = context
+        fns = {("prefill", p): (lambda p=p: run_packed(model, pool, [(seqs[0], p)])) for p in prompt_lens}
+        fns |= {("decode", b): (lambda b=b: run_packed(model, pool, [(s, 1) for s in seqs[1:b + 1]])) for b in batches}
+        t = interleaved(fns, repeats=repeats, warmup=1, device=model.device, desc="step costs")
+    return ([(p, t["prefill", p].median) for p in prompt_lens], [(b, t["decode", b].median) for b in batches])
+
+
 # ----------------------------------------------------------------------------- summaries and plots
 
 
