@@ -95,19 +95,15 @@ def test_int8_cache_keeps_greedy_tokens_and_perplexity(model):
     assert int8.lm_head.weight is model.lm_head.weight  # shared, not copied
 
 
-def test_int8_cache_serves_rows_of_their_own(model):
-    """The continuous-batching executor (rows at different positions) runs on the int8 cache unchanged."""
+def test_int8_cache_serves_a_left_padded_batch_of_rows_of_their_own(model):
+    """Rows at different positions (a left-padded batch, the engine's batched path) on the int8 cache: each
+    row makes the tokens it makes alone."""
     int8 = LC.with_int8_kv(model)
-    rows = batching.RowCache(int8, 2, 40)
-    assert isinstance(rows.cache, LC.Int8KVCache)
     a, b = ids(9, 1)[0], ids(5, 2)[0]
-    ra, rb = rows.claim(), rows.claim()
-    tok = [int(batching.prefill_row(int8, rows, ra, a).argmax()), int(batching.prefill_row(int8, rows, rb, b).argmax())]
-    for _ in range(6):
-        nxt = batching.decode_rows(int8, rows, tok, [True, True]).argmax(-1).tolist()
-        tok = nxt
-    assert rows.lengths == [15, 11]
-    assert tok[0] == int(engine.generate(int8, a[None], 7)[0, -1])
+    batch, mask = batching.left_pad([a, b], pad_id=0)
+    together = engine.generate(int8, batch, 6, mask)
+    assert together[0].tolist() == engine.generate(int8, a[None], 6)[0].tolist()
+    assert together[1].tolist() == engine.generate(int8, b[None], 6)[0].tolist()
 
 
 # ----------------------------------------------------------------------------- sliding window

@@ -220,7 +220,7 @@ class Int8KVLlama(Llama):
 
 
 def with_int8_kv(model: Llama) -> Int8KVLlama:
-    """``model`` with an int8 KV cache: every ``new_cache`` (prefill, generate, perplexity, a RowCache)
+    """``model`` with an int8 KV cache: every ``new_cache`` (prefill, generate, perplexity, a left-padded batch)
     gives an :class:`Int8KVCache`. Shares the weights: nothing is copied."""
     if not isinstance(model, Llama):
         raise WorkbookError(f"with_int8_kv needs the hand-written model (utils.llama.Llama), got {type(model).__name__}.")
