@@ -111,3 +111,13 @@ def test_divergence_finds_where_two_streams_part_and_the_logit_gap_there(model):
     row = forward_no_cache(model, torch.cat([IDS, torch.tensor([want[:3]])], 1), last_only=True)[0, -1]
     assert i == 3 and gap == pytest.approx(float((row[want[3]] - row[wrong[3]]).abs() / row.abs().max()), rel=1e-5)
     assert gap > 0
+
+
+def test_an_imitated_cpu_compiles_without_gemm_templates(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("WORKBOOK_COMPILE_MODE", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert fast.compile_options(cpu)["mode"] == "max-autotune-no-cudagraphs"
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert fast.compile_options(cpu)["mode"] == "default"
+    assert fast.compile_options(cpu, mode="max-autotune")["mode"] == "max-autotune"

@@ -91,9 +91,14 @@ def compile_options(device: torch.device, mode: str | None = None) -> dict[str, 
     pre-packed linear for each projection and keeps the faster (on a 2-core Xeon: bf16 54.9
     tok/s against 38.9 with ``default``, int4 95.2 against 57.1, in about the same compile
     time, tokens identical). ``$WORKBOOK_COMPILE_MODE`` or ``mode`` overrides, e.g. ``default``.
+
+    Under ``ATEN_CPU_CAPABILITY`` (a plainer CPU imitated, e.g. ``avx2``) a CPU gets ``default``: inductor's
+    vector code then follows the imitated ISA while its GEMM templates still pick the real CPU's, and the
+    two do not compile together (torch 2.13: ``cvtbf16_fp32(__m512i&, ...)`` in an AVX2 kernel).
     """
+    imitated = device.type == "cpu" and bool(os.environ.get("ATEN_CPU_CAPABILITY"))
     chosen = mode or os.environ.get("WORKBOOK_COMPILE_MODE") or (
-        "reduce-overhead" if device.type == "cuda" else "max-autotune-no-cudagraphs")
+        "reduce-overhead" if device.type == "cuda" else "default" if imitated else "max-autotune-no-cudagraphs")
     return {"mode": chosen, "fullgraph": True, "dynamic": False}
 
 
