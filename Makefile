@@ -11,7 +11,7 @@ GRADE_EXTRA := $(VENV)/.grade-extra
 # JupyterLab refuses to run as root (CI, containers) unless told.
 ROOT_FLAG := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 
-.PHONY: setup model lab test unit notebooks notebooks-default-model notebooks-test-model test-under-load browser-test bench report compare labs check-labs clean grade test-grade nbgrader-course
+.PHONY: setup model lab test test-lane-a test-lane-b unit notebooks notebooks-default-model notebooks-test-model test-under-load browser-test bench report compare labs check-labs clean grade test-grade nbgrader-course
 
 setup: $(STAMP) model
 
@@ -34,7 +34,8 @@ lab: setup
 
 # make test, one timed step each (tools/step.py prints a line as each ends and the table at the end):
 #   setup; the benchmark's short setting (fast path and llama.cpp rows; the first run on a machine builds
-#   llama.cpp once, kept per machine); the unit tests; every chapter and solved lab under nbval (lax:
+#   llama.cpp once, kept per machine); then, in two lanes side by side (below), the unit tests and every
+#   chapter and solved lab under nbval (lax:
 #   timings and plots may differ, a failing assert still fails) at CI's short settings (WORKBOOK_QUICK=1),
 #   once on the default model and once on the tiny test model (another model is one setting away) with
 #   PyTorch dispatching as on an AVX2-only laptop; each nbval run also writes the report of that run
@@ -54,12 +55,23 @@ test:
 	@mkdir -p reports && rm -f $(STEPS)
 	@$(STEP) setup -- $(MAKE) --no-print-directory setup $(GRADE_EXTRA)
 	@$(STEP) bench-quick -- timeout 1800 $(PY) -m utils.bench $(BENCH_QUICK)
-	@$(STEP) unit-tests -- timeout 900 $(PY) -m pytest tests -m "not browser" -p no:cacheprovider
 	@$(STEP) notebooks-default-model -- $(MAKE) --no-print-directory notebooks-default-model
-	@$(STEP) notebooks-test-model-avx2 -- env $(AVX2) $(MAKE) --no-print-directory notebooks-test-model
-	@$(STEP) reports-validate -- $(PY) -m utils.report validate $(CI_REPORT_DEFAULT)/results.json $(CI_REPORT)/results.json
-	@$(STEP) browser-test -- $(MAKE) --no-print-directory browser-test
+	@$(STEP) --side-by-side "$(MAKE) --no-print-directory test-lane-a" "$(MAKE) --no-print-directory test-lane-b"
 	@$(PYTHON) tools/step.py $(STEPS) --summary
+
+# make test's two lanes, run side by side on a 2-core machine with one torch thread each (OMP_NUM_THREADS=1):
+# the unit tests and the browser test in one, the test model's notebooks (AVX2) and the reports' validation in
+# the other. The default model's notebooks run alone before them, with every core: their report is the one
+# a reader compares. Under one thread each lane is a learner's laptop with something else busy, which the
+# timing rule (utils/decide.py) must survive (make test-under-load shows it on both models).
+LANE := env OMP_NUM_THREADS=1
+test-lane-a:
+	@$(STEP) unit-tests -- $(LANE) timeout 900 $(PY) -m pytest tests -m "not browser" -p no:cacheprovider
+	@$(STEP) browser-test -- $(LANE) $(MAKE) --no-print-directory browser-test
+
+test-lane-b:
+	@$(STEP) notebooks-test-model-avx2 -- $(LANE) $(AVX2) $(MAKE) --no-print-directory notebooks-test-model
+	@$(STEP) reports-validate -- $(PY) -m utils.report validate $(CI_REPORT_DEFAULT)/results.json $(CI_REPORT)/results.json
 
 # The quick notebook pass on each model, each writing its report (what make test runs).
 notebooks-default-model: setup

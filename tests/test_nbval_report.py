@@ -50,3 +50,20 @@ def test_the_step_timer_logs_each_step_and_fails_with_the_table(tmp_path, capsys
     names = [line.split("\t")[0] for line in log.read_text().splitlines()]
     assert names == ["quick", "broken"]
     assert step.minutes(754.2) == "12 min 34 s" and step.minutes(9.6) == "10 s"
+
+
+def test_two_lanes_run_at_once_and_the_total_counts_their_wall_time(tmp_path, capsys):
+    log = tmp_path / "steps.tsv"
+    lane = (f"{sys.executable} {REPO_ROOT / 'tools' / 'step.py'} {log} {{name}} -- "
+            f"{sys.executable} -c \"import time; time.sleep(1); print('{{name}} says hi')\"")
+    assert step.main([str(log), "--side-by-side", lane.format(name="one"), lane.format(name="two")]) == 0
+    out = capsys.readouterr().out
+    assert out.index("lane a: ") < out.index("one says hi") < out.index("two says hi")  # replayed lane after lane
+    rows = [line.split("\t") for line in log.read_text().splitlines()]
+    assert sorted((r[0], r[3]) for r in rows[:2]) == [("one", "a"), ("two", "b")]
+    assert rows[2][0].startswith("wall") and 1 <= float(rows[2][1]) < 1.9  # at once: not 2 s one after the other
+    table = step.summary(log)
+    assert "lane a: one" in table and "lane b: two" in table
+    total = table.splitlines()[-1]
+    assert total.split()[-2:] in (["1", "s"], ["2", "s"])  # the wall row, not 1 + 1 + wall
+    assert step.main([str(log), "--side-by-side", f"{sys.executable} -c 'raise SystemExit(4)'", "true"]) == 4
