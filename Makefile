@@ -60,18 +60,22 @@ test:
 	@$(PYTHON) tools/step.py $(STEPS) --summary
 
 # make test's two lanes, run side by side on a 2-core machine with one torch thread each (OMP_NUM_THREADS=1):
-# the unit tests and the browser test in one, the test model's notebooks (AVX2) and the reports' validation in
-# the other. The default model's notebooks run alone before them, with every core: their report is the one
+# most unit tests and the browser test in one; the test model's notebooks (AVX2), the reports' validation and
+# the unit tests that start kernels in the other. The default model's notebooks run alone before them, with every core: their report is the one
 # a reader compares. Under one thread each lane is a learner's laptop with something else busy, which the
 # timing rule (utils/decide.py) must survive (make test-under-load shows it on both models).
 LANE := env OMP_NUM_THREADS=1
+# The unit tests that start kernels or time the default model run in lane b, so that both lanes end together.
+KERNEL_TESTS := tests/test_planted.py tests/test_grade.py tests/test_nbgrader.py
 test-lane-a:
-	@$(STEP) unit-tests -- $(LANE) timeout 900 $(PY) -m pytest tests -m "not browser" -p no:cacheprovider
+	@$(STEP) unit-tests -- $(LANE) timeout 900 $(PY) -m pytest tests -m "not browser" -p no:cacheprovider \
+		$(addprefix --ignore=,$(KERNEL_TESTS))
 	@$(STEP) browser-test -- $(LANE) $(MAKE) --no-print-directory browser-test
 
 test-lane-b:
 	@$(STEP) notebooks-test-model-avx2 -- $(LANE) $(AVX2) $(MAKE) --no-print-directory notebooks-test-model
 	@$(STEP) reports-validate -- $(PY) -m utils.report validate $(CI_REPORT_DEFAULT)/results.json $(CI_REPORT)/results.json
+	@$(STEP) unit-tests-kernels -- $(LANE) timeout 900 $(PY) -m pytest $(KERNEL_TESTS) -m "not browser" -p no:cacheprovider
 
 # The quick notebook pass on each model, each writing its report (what make test runs).
 notebooks-default-model: setup

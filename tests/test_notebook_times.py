@@ -40,3 +40,12 @@ def test_a_quick_report_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(nt, "load", lambda p: {"settings": {"quick": True}})
     with pytest.raises(SystemExit, match="quick report"):
         nt.times_from_report(tmp_path / "results.json")
+
+
+def test_a_report_of_some_notebooks_updates_theirs_and_keeps_where_the_others_were_measured():
+    new = {"source": "`make report` on another CPU", "seconds": {"long": 200, "fresh": 30}}
+    both = nt.merged(TIMES, new)
+    assert both["seconds"] == {"short": 42, "long": 200, "roofline": 606, "fresh": 30}
+    assert "on a test CPU" in nt.line_for("short", both) and "on another CPU" in nt.line_for("long", both)
+    assert "on another CPU" in nt.line_for("fresh", both) and "about 30 s" in nt.line_for("fresh", both)
+    assert nt.merged(both, new) == both  # the same report twice changes nothing

@@ -148,3 +148,26 @@ def test_compare_names_a_corrupt_file_and_exits_nonzero(tmp_path, capsys):
     assert report.main(["compare", str(good), str(bad), "--out", str(tmp_path / "cmp")]) == 2
     err = capsys.readouterr().err
     assert str(bad) in err and "not valid JSON" in err
+
+
+def test_slow_cells_are_listed_with_whether_they_showed_a_progress_bar():
+    import nbformat
+
+    from utils.report import slow_cells
+
+    def cell(seconds, outputs=()):
+        c = nbformat.v4.new_code_cell(f"work({seconds})\nmore")
+        c.metadata["execution"] = {"iopub.execute_input": "2026-12-01T16:00:00.000000Z",
+                                   "shell.execute_reply": f"2026-12-01T16:00:{seconds:02d}.500000Z"}
+        c.outputs = [nbformat.from_dict(o) for o in outputs]
+        return c
+
+    widget = {"output_type": "display_data", "metadata": {},
+              "data": {"application/vnd.jupyter.widget-view+json": {"model_id": "x", "version_major": 2, "version_minor": 0}}}
+    bar = {"output_type": "stream", "name": "stderr", "text": "measuring:  60%|######    | 3/5 [00:12<00:08]"}
+    warning = {"output_type": "stream", "name": "stderr", "text": "UserWarning: something"}
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# title"), cell(3), cell(12, [widget]), cell(30, [bar]), cell(45, [warning])]
+    got = slow_cells(nb)
+    assert [(c["cell"], c["seconds"], c["progress_bar"]) for c in got] == [(2, 12.5, True), (3, 30.5, True), (4, 45.5, False)]
+    assert got[0]["first_line"] == "work(12)"

@@ -5,7 +5,8 @@
 
 The seconds come from a report's per-notebook entries (``make report``, the learner's full settings, never
 ``--quick``), are kept with where they were measured in ``data/notebook_times.json``, and are written as one
-line under each notebook's title. A notebook over :data:`LONG_S` says why it needs the time. A notebook
+line under each notebook's title. A report of some notebooks (``python -m utils.report run solutions/roofline.ipynb``)
+updates theirs; each line names the run it came from. A notebook over :data:`LONG_S` says why it needs the time. A notebook
 the report did not time says so instead of guessing.
 """
 
@@ -58,7 +59,16 @@ def line_for(name: str, times: dict) -> str:
     if seconds is None:
         return f"{MARK} not measured yet (`make report` times every notebook; then `python -m tools.notebook_times`).*"
     why = f" It needs the time because {WHY[name]}." if seconds > LONG_S and name in WHY else ""
-    return f"{MARK} {minutes(seconds)} on a 2-core CPU (measured by {times['source']}).{why}*"
+    source = times.get("sources", {}).get(name, times["source"])
+    return f"{MARK} {minutes(seconds)} on a 2-core CPU (measured by {source}).{why}*"
+
+
+def merged(stored: dict, new: dict) -> dict:
+    """``stored`` with every notebook that ``new`` timed replaced, each notebook keeping where it was measured
+    (a report of a few notebooks updates those and leaves the others' lines as they were)."""
+    sources = {n: stored.get("sources", {}).get(n, stored["source"]) for n in stored["seconds"]}
+    sources.update({n: new["source"] for n in new["seconds"]})
+    return {"source": new["source"], "seconds": {**stored["seconds"], **new["seconds"]}, "sources": sources}
 
 
 def stamped(path: Path, times: dict) -> tuple[nbformat.NotebookNode, bool]:
@@ -79,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("report", nargs="?", type=Path, help="a full-settings results.json (default: keep the stored times)")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a notebook's line is stale")
     a = p.parse_args(argv)
-    times = times_from_report(a.report) if a.report else json.loads(TIMES.read_text())
+    stored = json.loads(TIMES.read_text()) if TIMES.exists() else {"source": "", "seconds": {}}
+    times = merged(stored, times_from_report(a.report)) if a.report else stored
     stale = []
     for path in discover(REPO_ROOT):
         nb, changed = stamped(path, times)
@@ -92,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if stale else 0
     if a.report:
         TIMES.write_text(json.dumps(times, indent=1) + "\n")
-    print(f"time lines written from {times['source']}")
+    print(f"time lines written from {', '.join(sorted(set(times.get('sources', {}).values()) or {times['source']}))}")
     return 0
 
 

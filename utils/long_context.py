@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten
 from .device import check_fits, dtype_name
 from .errors import WorkbookError, check_count, check_number
 from .llama import KVCache, Llama, LlamaArgs, rope_inv_freq
-from .models import SHAPES, shape_config
+from .models import SHAPES, random_init_, shape_config
 from .roofline import decode_bytes_per_token, kv_bytes_per_token
 
 INT8_MAX = 127
@@ -95,7 +95,7 @@ def n_params(args: LlamaArgs) -> int:
 
 def random_llama(args: LlamaArgs, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  seed: int = 0) -> Llama:
-    """A hand-written Llama of shape ``args`` with random weights (norms 1, the rest N(0, 0.02)).
+    """A hand-written Llama of shape ``args`` with random weights (:func:`utils.models.random_init_`).
 
     Raises :class:`~utils.errors.OutOfMemoryError` with the numbers when its weights do not fit.
     Its tokens mean nothing; its speed is real: bytes are bytes.
@@ -105,10 +105,7 @@ def random_llama(args: LlamaArgs, device: torch.device | str = "cpu", dtype: tor
     with torch.device("meta"):  # sizes only: memory comes with to_empty, in the final dtype
         model = Llama(args)
     model = model.to_empty(device=device).to(dtype)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02, generator=gen)
+    random_init_(model, seed)
     model.rope.inv_freq = rope_inv_freq(args.head_dim, args.rope).to(device)  # float32, computed, not random
     return model.eval()
 

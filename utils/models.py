@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import shutil
 import time
@@ -266,12 +267,21 @@ def shape_config(name: str) -> Any:
     return config
 
 
-def _random_init_(model: torch.nn.Module, seed: int = 0) -> None:
-    """Fill every parameter in place: norms with ones, the rest N(0, 0.02) (fast, seeded)."""
+RANDOM_STD = 0.02
+"""The standard deviation of a random-weight model's weights (as transformers' Llama initializes them)."""
+
+
+def random_init_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Fill every parameter in place, seeded: norms with ones, the rest uniform with std :data:`RANDOM_STD`.
+
+    Uniform on ``[-a, a]`` with ``a = std x sqrt(3)`` rather than a normal: the same spread, and on a CPU
+    ``uniform_`` runs about 5x faster than ``normal_`` (a 1.2 B-parameter shape model: seconds saved at each load).
+    """
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    a = RANDOM_STD * math.sqrt(3)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02, generator=gen)
+            p.fill_(1.0) if name.endswith("norm.weight") else p.uniform_(-a, a, generator=gen)
 
 
 def load_shape_model(name: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
@@ -291,7 +301,7 @@ def load_shape_model(name: str, device: torch.device, dtype: torch.dtype) -> tup
     model.model.rotary_emb = LlamaRotaryEmbedding(config).to(device)  # a computed buffer, not a weight
     if config.tie_word_embeddings:
         model.tie_weights()
-    _random_init_(model)
+    random_init_(model)
     tok = AutoTokenizer.from_pretrained(prepare_embedded(verbose=False))
     return model, tok
 

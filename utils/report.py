@@ -90,10 +90,45 @@ def _error_summary(err: BaseException) -> str:
     return f"{ename}: {evalue}".strip()[:500]
 
 
-def execute(path: Path, html_path: Path, env: dict[str, str], cell_timeout: int, log: Path) -> str | None:
+SLOW_CELL_S = 10.0
+"""A cell that runs longer than this owes the reader a progress bar (tqdm, e.g. through utils.timing)."""
+
+
+def slow_cells(nb: nbformat.NotebookNode, over_s: float = SLOW_CELL_S) -> list[dict[str, Any]]:
+    """The executed code cells that took over ``over_s`` seconds (from nbclient's execution timestamps):
+    index, seconds, first line, and whether the cell showed a progress bar (a tqdm widget or bar on stderr)."""
+    slow = []
+    for i, cell in enumerate(nb.cells):
+        stamps = cell.get("metadata", {}).get("execution", {})
+        began, ended = stamps.get("iopub.execute_input"), stamps.get("shell.execute_reply")
+        if cell.cell_type != "code" or not began or not ended:
+            continue
+        seconds = (_stamp(ended) - _stamp(began))
+        if seconds > over_s:
+            slow.append({"cell": i, "seconds": round(seconds, 1), "first_line": cell.source.split("\n")[0][:80],
+                         "progress_bar": any(_is_progress(o) for o in cell.get("outputs", []))})
+    return slow
+
+
+def _stamp(iso: str) -> float:
+    """Seconds since the epoch of a Jupyter timestamp (``2026-12-01T16:22:21.123456Z``)."""
+    from datetime import datetime
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
+def _is_progress(output: dict[str, Any]) -> bool:
+    """A tqdm bar: an ipywidget in a notebook, or ``|####| 3/5 [...]`` written to stderr elsewhere."""
+    if "application/vnd.jupyter.widget-view+json" in output.get("data", {}):
+        return True
+    return output.get("name") == "stderr" and bool(re.search(r"\|\s*\d+/\d+ \[", output.get("text", "")))
+
+
+def execute(path: Path, html_path: Path, env: dict[str, str], cell_timeout: int, log: Path,
+            slow: list[dict[str, Any]] | None = None) -> str | None:
     """Run ``path`` in a fresh kernel, write its HTML (also when it fails); the error or None.
 
-    The kernel's own stderr (profiler chatter, a crash's last words) goes to ``log``.
+    The kernel's own stderr (profiler chatter, a crash's last words) goes to ``log``; the cells over
+    :data:`SLOW_CELL_S` are appended to ``slow`` when it is given.
     """
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, km=_kernel_manager(), timeout=cell_timeout, allow_errors=False,
@@ -105,6 +140,8 @@ def execute(path: Path, html_path: Path, env: dict[str, str], cell_timeout: int,
             client.execute(env=env, stderr=stderr)
         except Exception as err:  # a failing cell, a timeout, a dead kernel: the report says which
             error = _error_summary(err)
+    if slow is not None:
+        slow.extend(slow_cells(nb))
     body, _ = HTMLExporter().from_notebook_node(nb, resources={"metadata": {"name": path.stem}})
     html_path.write_text(body, encoding="utf8")
     return error
@@ -131,12 +168,17 @@ def run_all(paths: Sequence[Path], out: Path, quick: bool, cell_timeout: int = 1
         env = {**os.environ, ENV_FILE: str(figures), ENV_NOTEBOOK: path.stem, "WORKBOOK_QUICK": "1" if quick else "0"}
         print(f"[{i}/{len(paths)}] {path.parent.name}/{path.name} ...", end=" ", flush=True)
         start = time.perf_counter()
-        error = execute(path, out / f"{path.stem}.html", env, cell_timeout, figures.with_suffix(".log"))
+        slow: list[dict[str, Any]] = []
+        error = execute(path, out / f"{path.stem}.html", env, cell_timeout, figures.with_suffix(".log"), slow)
         seconds = round(time.perf_counter() - start, 1)
         n = sum(1 for line in read_lines(figures) if line.get("kind") == "figure")
         print(f"ok, {seconds} s, {n} figures" if error is None else f"FAILED after {seconds} s: {error}", flush=True)
+        for cell in slow:
+            if not cell["progress_bar"]:
+                print(f"    cell {cell['cell']} ran {cell['seconds']} s with no progress bar: {cell['first_line']}")
         entries.append({"name": path.stem, "path": f"{path.parent.name}/{path.name}", "status": "failed" if error else "ok",
-                        "seconds": seconds, "figures": n, "html": f"{path.stem}.html", "error": error})
+                        "seconds": seconds, "figures": n, "html": f"{path.stem}.html", "error": error,
+                        "slow_cells": slow})
     return entries
 
 
