@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -32,7 +34,7 @@ class Plan:
 
     ttft: float = 0.0
     gap: float = 0.0
-    mode: str = "normal"  # normal | drop | garbage | silent | stall | empty | status
+    mode: str = "normal"  # normal | drop | garbage | error | silent | stall | empty | status
     status: int = 200
     usage: bool = True
     chunked: bool = False  # HTTP/1.1 chunked transfer encoding, as uvicorn-based servers send
@@ -104,6 +106,8 @@ class FakeHandler(BaseHTTPRequestHandler):
             if plan.mode == "drop" and i == 1:
                 self.close_connection = True
                 return  # no terminating chunk, no [DONE]: the connection just closes
+            if plan.mode == "error" and i == 1:
+                return self._event({"error": {"message": "out of KV blocks", "code": 500}}, plan)
             if plan.mode == "garbage" and i == 1:
                 self._write(b'data: {"choices": [{"text": " oops"\n\n', plan)
         if plan.usage:
@@ -268,9 +272,15 @@ def test_a_server_that_never_answers_times_out_on_the_first_token(serve):
 
 
 def test_a_stall_between_chunks_times_out(serve):
-    server = serve(Plan(mode="stall"))
-    client = client_for(server, chunk_timeout_s=0.3)
-    assert_fails(lambda: client.complete("hi", 5), "chunk_timeout", server.url, 2.0, "next chunk")
+    for chunked in (False, True):
+        server = serve(Plan(mode="stall", chunked=chunked))
+        client = client_for(server, chunk_timeout_s=0.3)
+        assert_fails(lambda: client.complete("hi", 5), "chunk_timeout", server.url, 2.0, "next chunk")
+
+
+def test_an_error_sent_inside_the_stream(serve):
+    server = serve(Plan(mode="error"))
+    assert_fails(lambda: client_for(server).complete("hi", 5), "server_error", server.url, 2.0, "out of KV blocks")
 
 
 def test_http_500_names_the_status_and_quotes_the_body(serve):
@@ -299,6 +309,12 @@ def test_connection_refused(serve):
     url = f"http://127.0.0.1:{free_port()}/v1"
     assert_fails(lambda: Client(url, model="m").complete("hi", 5), "refused", url, 2.0, "connection refused")
     assert_fails(lambda: Client(url).complete("hi", 5), "refused", url + "/models")  # asking for the model
+
+
+def test_the_client_and_the_load_generator_import_no_torch():
+    code = "import sys, utils.openai_client, utils.load_generator; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"
 
 
 def test_bad_settings_are_clear_errors():

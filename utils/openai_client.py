@@ -206,7 +206,7 @@ class Client:
         try:
             data = json.loads(resp.read(1 << 20) or b"{}")
             return [str(m["id"]) for m in data.get("data", [])]
-        except (ValueError, KeyError, TypeError, OSError, http.client.HTTPException) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, OSError, http.client.HTTPException) as e:
             raise ServerError(f"{url} did not answer with a list of models: {e}", url=url, kind="not_json") from None
         finally:
             _close(resp, sock)
@@ -414,7 +414,7 @@ def _parse(payload: str, url: str) -> dict:
     if not isinstance(chunk, dict):
         raise ServerError(f"{url} sent a chunk that is not a JSON object: {_quote('data: ' + payload, 200)}",
                           url=url, kind="not_json")
-    if "error" in chunk:
+    if chunk.get("error"):  # vLLM and others report a failure inside the stream
         err = chunk["error"]
         msg = err.get("message", err) if isinstance(err, dict) else err
         raise ServerError(f"{url} reported an error mid-stream: {_quote(str(msg), 300)}", url=url, kind="server_error")
