@@ -23,7 +23,7 @@ import pytest
 from utils.errors import WorkbookError
 from utils.load_generator import FAILED, NOT_RUN, OK, run_arrivals, run_concurrent
 from utils.openai_client import Client, ServerError, StreamResult, meter_line
-from utils.requests import Request
+from utils.requests import Request, synthetic_trace
 
 PIECES = ("The", " capital", " of", " France", " is", " Paris")
 
@@ -377,6 +377,15 @@ def test_arrivals_are_kept_and_bounded_by_the_deadline(serve):
     assert [o.status for o in run.outcomes] == [OK, OK, OK, NOT_RUN]
     for o in run.outcomes[:3]:
         assert o.request.arrival_s <= o.sent_s < o.request.arrival_s + 0.15 and o.late_s < 0.15
+
+
+def test_a_poisson_trace_of_the_workbook_replays_with_its_lengths(serve):
+    server = serve(Plan())
+    reqs = synthetic_trace(6, 40.0, (3, 8), (2, 4), seed=1)  # 40 requests/s: all sent within ~0.3 s
+    run = run_arrivals(reqs, client_for(server), deadline_s=5.0)
+    assert run.summary.ok == 6 and run.summary.output_tokens == sum(r.max_new_tokens for r in reqs)
+    sent = sorted((body["prompt"], body["max_tokens"]) for _, body, _ in server.seen)
+    assert sent == sorted((list(r.prompt), r.max_new_tokens) for r in reqs)  # token ids, as given
 
 
 def test_a_failing_request_is_counted_not_raised(serve):

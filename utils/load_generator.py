@@ -170,8 +170,9 @@ def _replay(requests: Sequence[Request], client: Client | None, workers: int, ti
     threads = [threading.Thread(target=work, daemon=True, name=f"load-{i}") for i in range(workers)]
     for t in threads:
         t.start()
-    for t in threads:  # every request gives up at ``stop``: the slack is only for a thread to return
-        t.join(max(stop - time.perf_counter(), 0) + client.connect_timeout_s + 1.0)
+    give_up = stop + client.connect_timeout_s + 1.0  # every request gives up at ``stop``: slack to return
+    for t in threads:
+        t.join(max(give_up - time.perf_counter(), 0.0))
     wall = time.perf_counter() - start
     with lock:
         outcomes = [done.get(r.id) or _missing(r, r.id in taken) for r in reqs]

@@ -199,10 +199,10 @@ class Client:
         text = "\n".join(str(m.get("content", "")) for m in msgs)
         return self._stream("/chat/completions", {"messages": msgs}, max_tokens, text, tokenizer, deadline, params)
 
-    def models(self) -> list[str]:
+    def models(self, deadline: float | None = None) -> list[str]:
         """The model ids the server lists (``GET {base}/models``)."""
         url = self.base_url + "/models"
-        resp, sock = _open(self, url, "GET", None, time.perf_counter() + self.first_token_timeout_s, None)
+        resp, sock = _open(self, url, "GET", None, time.perf_counter() + self.first_token_timeout_s, deadline)
         try:
             data = json.loads(resp.read(1 << 20) or b"{}")
             return [str(m["id"]) for m in data.get("data", [])]
@@ -211,11 +211,11 @@ class Client:
         finally:
             _close(resp, sock)
 
-    def model_name(self) -> str:
+    def model_name(self, deadline: float | None = None) -> str:
         """``model``, else the first model the server lists (asked once), else ``"default"``."""
         if not self.model:
             try:
-                self.model = (self.models() or ["default"])[0]
+                self.model = (self.models(deadline) or ["default"])[0]
             except ServerError as e:
                 if e.status not in (404, 405):
                     raise
@@ -224,7 +224,7 @@ class Client:
 
     def _stream(self, path: str, body: dict, max_tokens: int, prompt: str | Sequence[int],
                 tokenizer: Tokenizer | None, deadline: float | None, params: dict) -> StreamResult:
-        body = {"model": self.model_name(), **body, "max_tokens": check_count(max_tokens, "max_tokens"),
+        body = {"model": self.model_name(deadline), **body, "max_tokens": check_count(max_tokens, "max_tokens"),
                 "temperature": 0.0, **params, "stream": True}
         if self.include_usage:
             body["stream_options"] = {"include_usage": True}
