@@ -28,6 +28,8 @@ modules listed before it (``tests/test_layering.py`` checks it).
 - ``paged``         a paged KV cache (blocks and block tables) and a prefix cache over it
 - ``long_context``  long context: the KV/weights crossover, an int8 KV cache, a sliding window, tiled attention
 - ``meter``         a per-request log line in the style of an inference engine, and its diagnosis
+- ``openai_client`` any OpenAI-compatible server, streamed and timed from outside (torch-free): TTFT, gaps, decode tok/s
+- ``load_generator`` a real server under load (torch-free): fixed concurrency or arrival times; throughput, p50/p99, goodput
 - ``verdicts``      conclusions computed from this run's numbers (which is faster, what bounds decode)
 - ``quant``         weight-only int8 / int4 quantization (reference and PyTorch kernels), any layer width
 - ``variants``      judging a model variant against its baseline: bytes, perplexity, agreement, speed-up
@@ -50,6 +52,6 @@ for _name in ("torchao", "torch.utils._pytree"):
 __version__ = "0.1.0"
 
 MODULE_ORDER = ("errors", "results", "device", "timing", "decide", "roofline", "hardware", "plotting", "tokens", "sampling",
-                "models", "peer", "llama", "phases", "llama_phases", "engine", "requests", "blocks", "scheduler", "executors", "batching", "simulator", "paged", "long_context", "meter", "verdicts", "quant", "variants", "fast", "speculative", "checks",
+                "models", "peer", "llama", "phases", "llama_phases", "engine", "requests", "blocks", "scheduler", "executors", "batching", "simulator", "paged", "long_context", "meter", "openai_client", "load_generator", "verdicts", "quant", "variants", "fast", "speculative", "checks",
                 "chapter", "bench", "report", "grade")
 """The package's modules, bottom to top: each imports only modules before it."""
