@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if stale else 0
     if a.report:
         TIMES.write_text(json.dumps(times, indent=1) + "\n")
+    from tools import make_labs  # the stubs in labs/ carry their solution's title cell: regenerate them
+
+    make_labs.main([])
     print(f"time lines written from {', '.join(sorted(set(times.get('sources', {}).values()) or {times['source']}))}")
     return 0
 

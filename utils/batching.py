@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from . import engine
 from .blocks import BlockManager
@@ -190,7 +191,7 @@ def mixed_step_costs(model: Llama, prompts: Sequence[Sequence[int]], chunks: Seq
             seq.num_computed = context - 1
     decodes = [(s, 1) for s in running]
     out = []
-    for c in chunks:
+    for c in tqdm(chunks, desc="chunk sizes", leave=False):
         piece = [(newcomer, c)]
         t = interleaved({"mixed": lambda: run_packed(model, pool, decodes + piece),
                          "separate": lambda: (run_packed(model, pool, piece), run_packed(model, pool, decodes)),

@@ -541,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(a: argparse.Namespace) -> int:
-    out = a.out or REPORTS / machine_id(a.quick)
+    out = (a.out or REPORTS / machine_id(a.quick)).resolve()  # absolute: each kernel runs in its notebook's folder
     paths = [n.resolve() for n in a.notebooks] or discover()
     print(f"report of {len(paths)} notebooks into {out}/ ({'quick' if a.quick else 'full'} settings)", flush=True)
     doc = run_report(paths, out, a.quick, a.cell_timeout)

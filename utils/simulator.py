@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from . import roofline
 from .blocks import BlockManager
@@ -399,7 +400,8 @@ def goodput_sweep(costs: StepCosts, n_machines: int, ttft_slo_s: float, tpot_slo
     unit = n_machines * capacity_per_machine(costs, rows, prompt_tokens, output_tokens)
     rates = [f * unit for f in loads]
     table = [best_split(synthetic_trace(n_requests, r, prompt_tokens, output_tokens, seed=seed), costs, n_machines,
-                        ttft_slo_s, tpot_slo_s, rows=rows, token_budget=token_budget, link_bytes_s=link_bytes_s) for r in rates]
+                        ttft_slo_s, tpot_slo_s, rows=rows, token_budget=token_budget, link_bytes_s=link_bytes_s)
+             for r in tqdm(rates, desc="offered loads", leave=False)]
     return Sweep(rates, table)
 
 
