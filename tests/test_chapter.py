@@ -15,6 +15,16 @@ def test_setup_lines_name_device_dtype_model_and_settings(lm, monkeypatch):
     assert "random weights" not in text
 
 
+def test_openmp_wait_says_how_idle_threads_wait(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert "default" in chapter.openmp_wait() and "GOMP_SPINCOUNT" in chapter.openmp_wait()
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
+    assert chapter.openmp_wait() == "OpenMP spin 10000"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert chapter.openmp_wait() == "OpenMP wait passive"
+
+
 def test_random_weights_are_announced():
     test_lm = models.load_model(str(models.prepare_test_model(verbose=False)), device="cpu")
     lines = chapter.describe_setup(test_lm, describe_machine(test_lm.device))

@@ -12,6 +12,7 @@ report runner asks for them).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .device import dtype_name
@@ -21,12 +22,29 @@ from .results import record_setup
 from .timing import quick
 
 
+def openmp_wait() -> str:
+    """How torch's idle OpenMP threads wait between parallel regions (GNU OpenMP reads it once,
+    when torch is imported, so it is set before Python starts).
+
+    Spinning (libgomp's default, 300,000 spins) is fastest on an idle machine, but when another
+    program keeps one core busy a spinning team waits for its preempted thread and a chapter runs
+    many times slower. ``make lab`` and ``make test`` set ``GOMP_SPINCOUNT=10000``: spin briefly,
+    then sleep (measured in the README).
+    """
+    policy, spins = os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")
+    if policy:
+        return f"OpenMP wait {policy.lower()}"
+    if spins:
+        return f"OpenMP spin {spins}"
+    return "OpenMP spin default (slow when another program is busy: make lab sets GOMP_SPINCOUNT)"
+
+
 def describe_setup(lm: LoadedModel, machine: dict[str, Any]) -> list[str]:
     """The lines :func:`setup_chapter` prints."""
     s = lm.spec
     lines = [
         f"device   {lm.device} ({machine['device_name']}), {dtype_name(lm.dtype)}, "
-        f"{machine['torch_threads']} torch threads",
+        f"{machine['torch_threads']} torch threads, {openmp_wait()}",
         f"versions torch {machine['torch_version']}, transformers {machine['transformers_version']}, "
         f"python {machine['python_version']}",
         f"model    {lm.name} ({s.architecture}): {s.n_params / 1e6:,.1f} M parameters, {s.n_layers} layers, "
