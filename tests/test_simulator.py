@@ -39,8 +39,17 @@ def test_fit_never_gives_a_negative_overhead_or_a_falling_extrapolation():
     c = S.fit_costs([(10, 0.05), (100, 1.2)], [(2, 0.05), (4, 0.04)], 1)  # a noisy, falling curve end
     through_origin = (10 * 0.05 + 100 * 1.2) / (10**2 + 100**2)  # least squares of s = n / rate
     assert c.prefill_overhead_s == 0 and c.prefill_s(100) == pytest.approx(100 * through_origin)
-    assert c.decode_step_s(1) == 0.05  # flat below the first point
-    assert c.decode_step_s(16) == pytest.approx(0.04)  # never downwards beyond the last
+    assert c.decode_step_s(1) == pytest.approx(0.045)  # flat below the first point; the falling pair pooled
+    assert c.decode_step_s(4) == pytest.approx(0.045) and c.decode_step_s(16) == pytest.approx(0.045)
+
+
+def test_a_preempted_step_cannot_make_more_rows_cheaper_than_fewer():
+    assert S.non_decreasing([9.0, 5.0, 8.0]) == pytest.approx((7.0, 7.0, 8.0))
+    assert S.non_decreasing([1.0, 3.0, 2.0, 2.0, 5.0]) == pytest.approx((1.0, 7 / 3, 7 / 3, 7 / 3, 5.0))
+    assert S.non_decreasing([1.0, 2.0, 4.0]) == (1.0, 2.0, 4.0)  # a rising curve is kept as measured
+    c = S.fit_costs([(32, 0.008), (256, 0.022)], [(1, 0.0094), (2, 0.0055), (4, 0.0076)], 1024)  # measured under load
+    steps = [c.decode_step_s(b) for b in (1, 2, 3, 4)]
+    assert steps == sorted(steps) and steps[0] == pytest.approx((0.0094 + 0.0055) / 2)
 
 
 def test_accelerator_costs_are_the_roofline():

@@ -30,7 +30,7 @@ be useful; goodput does not. :func:`best_split` tries every split of ``N`` machi
 prefill and decode pools against ``N`` colocated ones.
 
 The costs (:class:`StepCosts`) come from measurements (:func:`fit_costs`: prefill as a
-line ``overhead + n / rate``, decode interpolated over the measured batch curve) or from
+line ``overhead + n / rate``, decode interpolated over the measured batch curve, made non-decreasing) or from
 an accelerator's datasheet (:func:`costs_from_accelerator`: roofline times). A decode
 step's cost depends on the batch only: its growth with the context (attention, KV reads)
 is left out, and so is any contention on the link. Times are seconds; the simulation is
@@ -132,7 +132,9 @@ def fit_costs(prefill_points: Sequence[tuple[int, float]], decode_points: Sequen
     """:class:`StepCosts` from measurements: [(prompt tokens, prefill s)], [(batch, s per decode step)].
 
     Prefill: a least-squares line ``overhead + n / rate`` (overhead clamped at 0).
-    Decode: the measured curve itself, interpolated between its points.
+    Decode: the measured curve, interpolated between its points and made non-decreasing: a step over
+    more rows never costs less than one over fewer, so where noise (a preempted step) says otherwise
+    the points are pooled to their mean (:func:`non_decreasing`).
     """
     if not prefill_points or not decode_points:
         raise WorkbookError("fit_costs needs at least one prefill point and one decode point.")
@@ -142,7 +144,20 @@ def fit_costs(prefill_points: Sequence[tuple[int, float]], decode_points: Sequen
     if len({b for b, _ in curve}) != len(curve):
         raise WorkbookError(f"decode_points has a batch size twice: {curve}.")
     kv = check_number(kv_bytes_per_token, "kv_bytes_per_token", "bytes per token")
-    return StepCosts(overhead, rate, tuple(float(b) for b, _ in curve), tuple(t for _, t in curve), kv, label)
+    return StepCosts(overhead, rate, tuple(float(b) for b, _ in curve), non_decreasing([t for _, t in curve]), kv, label)
+
+
+def non_decreasing(ys: Sequence[float]) -> tuple[float, ...]:
+    """``ys`` made non-decreasing by pooling adjacent violators: each run of points that falls is replaced
+    by its mean (the least-squares non-decreasing fit). ``[9, 5, 8] -> (7, 7, 8)``."""
+    pools: list[tuple[float, int]] = []  # (sum, count), their means non-decreasing
+    for y in ys:
+        total, count = float(y), 1
+        while pools and pools[-1][0] / pools[-1][1] > total / count:
+            s, c = pools.pop()
+            total, count = total + s, count + c
+        pools.append((total, count))
+    return tuple(total / count for total, count in pools for _ in range(count))
 
 
 def costs_from_accelerator(acc: Any, shape: roofline.ModelShape, bytes_per_param: float = 2,
