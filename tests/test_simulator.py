@@ -187,6 +187,49 @@ def test_best_split_is_colocated_when_the_link_is_slow():
     assert len(cmp.splits) == 3 and cmp.colocated.goodput.attainment == 1
 
 
+# ----------------------------------------------------------------------------- the simulator against served runs
+
+
+def served(trace, step_costs: S.StepCosts, rows: int = 2, budget: int | None = 16):
+    """A "measured" run: the serving core's loop on a clock that charges ``step_costs``; (sequences, its steps)."""
+    loop = S.machine("served", step_costs, rows, max(r.prompt_tokens + r.max_new_tokens for r in trace), budget)
+    seqs = {r.id: Sequence(r) for r in trace}
+    for r in trace:
+        loop.submit(seqs[r.id])
+    loop.run_until()
+    return [seqs[r.id] for r in trace], loop.scheduler.history
+
+
+TRACE = [req(0, 0.0, 40, 6), req(1, 0.1, 30, 8), req(2, 0.15, 60, 4), req(3, 0.5, 20, 5)]
+
+
+def test_a_loop_that_paid_half_again_per_step_is_found_and_simulated_exactly():
+    timed = costs(overhead=0.01)
+    runs = [(timed, *served(TRACE, timed.scaled(f))) for f in (1.5, 1.4, 1.6)]  # slower than the costs said
+    v = S.validate_runs(TRACE, runs, rows=2, token_budget=16)
+    assert v.loop_factors == pytest.approx((1.5, 1.4, 1.6))
+    assert all(a.ratio == pytest.approx(1.0) for a in v.agreement)  # same schedule, same clock
+    assert v.run_spread["makespan"] > 0 and v.sim_spread["makespan"] == pytest.approx(v.run_spread["makespan"])
+    assert [t for s in v.simulated[0] for t in s.token_s] == pytest.approx([t for s in runs[0][1] for t in s.token_s])
+
+
+def test_a_simulator_that_schedules_differently_still_disagrees():
+    timed = costs(overhead=0.01)  # a second row adds a fifth to a decode step
+    runs = [(timed, *served(TRACE, timed, rows=1))]  # served one at a time, simulated with 2 rows below
+    tpot = {a.what: a for a in S.validate_runs(TRACE, runs, rows=2, token_budget=16).agreement}["mean TPOT"]
+    assert tpot.ratio > 1.5  # 2 rows: another request's prompt chunks ride in each decode step and slow it
+
+
+def test_loop_factor_needs_a_run_and_scaled_costs_scale_every_step():
+    c = costs(overhead=0.01)
+    with pytest.raises(WorkbookError):
+        S.loop_factor(c, [])
+    assert c.scaled(2).prefill_s(50) == pytest.approx(2 * c.prefill_s(50))
+    assert c.scaled(2).decode_step_s(3) == pytest.approx(2 * c.decode_step_s(3))
+    with pytest.raises(WorkbookError):
+        c.scaled(0)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

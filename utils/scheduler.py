@@ -53,6 +53,7 @@ class Step:
     work: Plan = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
+    seconds: float = math.nan  # what the executor says the step took (set once it has run)
 
     @property
     def tokens(self) -> int:
@@ -227,8 +228,8 @@ class ServingLoop:
         for seq, _ in step.work:
             if math.isnan(seq.start_s):
                 seq.start_s = self.clock
-        tokens, seconds = self.executor.execute(step)
-        self.clock += seconds
+        tokens, step.seconds = self.executor.execute(step)
+        self.clock += step.seconds
         self.scheduler.update(step, tokens, self.clock)
         return step
 

@@ -97,6 +97,12 @@ class StepCosts:
         """Aggregate decode speed at ``batch`` rows: ``batch / decode_step_s(batch)``."""
         return batch / self.decode_step_s(batch)
 
+    def scaled(self, factor: float) -> "StepCosts":
+        """Every step ``factor`` times as long (e.g. the costs as a served loop paid them: :func:`loop_factor`)."""
+        f = check_number(factor, "factor")
+        return StepCosts(self.prefill_overhead_s * f, self.prefill_rate_tok_s / f, self.decode_batches,
+                         tuple(t * f for t in self.decode_step_times_s), self.kv_bytes_per_token, self.label)
+
     def step_s(self, step: Step, mixed: bool = True) -> float:
         """Seconds of one iteration: prompt chunks (``n > 1``) and decode tokens (``n == 1``).
 
@@ -145,6 +151,20 @@ def fit_costs(prefill_points: Sequence[tuple[int, float]], decode_points: Sequen
         raise WorkbookError(f"decode_points has a batch size twice: {curve}.")
     kv = check_number(kv_bytes_per_token, "kv_bytes_per_token", "bytes per token")
     return StepCosts(overhead, rate, tuple(float(b) for b, _ in curve), non_decreasing([t for _, t in curve]), kv, label)
+
+
+def loop_factor(costs: StepCosts, steps: Sequence[Step], mixed: bool = True) -> float:
+    """What a served loop paid for its steps over what ``costs`` predicts for the same steps.
+
+    ``steps``: a scheduler's history after serving (each step's ``seconds`` set by the loop). Above 1
+    when the loop runs slower than the steps timed back to back, e.g. another program wakes the
+    CPU's threads between steps; a simulator fed ``costs.scaled(factor)`` then predicts the queueing
+    of that run, not the machine's load.
+    """
+    ran = [s for s in steps if s.work]
+    if not ran or any(math.isnan(s.seconds) for s in ran):
+        raise WorkbookError("loop_factor needs the steps of a served run (a scheduler's history after serve).")
+    return float(sum(s.seconds for s in ran) / sum(costs.step_s(s, mixed) for s in ran))
 
 
 def non_decreasing(ys: Sequence[float]) -> tuple[float, ...]:
@@ -472,3 +492,42 @@ def compare_with_measured(simulated: Sequence[Seq], measured: Sequence[Seq]) -> 
                             "simulate the same trace  that was served.")
     sim, real = _trace_figures(simulated), _trace_figures(measured)
     return [Agreement(k, sim[k], real[k]) for k in sim]
+
+
+@dataclass(frozen=True)
+class Validation:
+    """The simulator against served runs of one trace: per figure, medians over the runs and their spreads."""
+
+    agreement: list[Agreement]  # median simulated against median measured, per figure
+    sim_spread: dict[str, float]  # how far each simulated figure moves between the runs' cost timings
+    run_spread: dict[str, float]  # how far each measured figure moves between the runs
+    loop_factors: tuple[float, ...]  # per run: what its loop paid per step over the costs timed before it
+    simulated: list[list[Seq]]  # per run
+
+
+def validate_runs(trace: Sequence[Request], runs: Sequence[tuple[StepCosts, Sequence[Seq], Sequence[Step]]],
+                  rows: int, token_budget: int | None = None) -> Validation:
+    """Simulate ``trace`` once per served run and compare: ``runs`` holds (the step costs timed just before
+    the run, its sequences, its scheduler's history).
+
+    Each simulation is fed its costs scaled by its run's :func:`loop_factor`, so that it predicts the
+    queueing of that run (who waits, for how many steps) and not how slow the machine was meanwhile.
+    """
+    if not runs:
+        raise WorkbookError("validate_runs needs at least one served run.")
+    factors = tuple(loop_factor(costs, history) for costs, _, history in runs)
+    sims = [simulate_colocated(trace, costs.scaled(f), rows=rows, token_budget=token_budget)
+            for (costs, _, _), f in zip(runs, factors)]
+    pairs = [compare_with_measured(sim, seqs) for sim, (_, seqs, _) in zip(sims, runs)]  # [run][figure]
+    figures = [a.what for a in pairs[0]]
+    sim_s = {f: [p[i].simulated_s for p in pairs] for i, f in enumerate(figures)}
+    run_s = {f: [p[i].measured_s for p in pairs] for i, f in enumerate(figures)}
+    return Validation([Agreement(f, float(np.median(sim_s[f])), float(np.median(run_s[f]))) for f in figures],
+                      {f: _relative_spread(x) for f, x in sim_s.items()}, {f: _relative_spread(x) for f, x in run_s.items()},
+                      factors, sims)
+
+
+def _relative_spread(xs: Sequence[float]) -> float:
+    """Interquartile range over median, as :attr:`utils.timing.Timing.relative_spread` (which needs torch)."""
+    q1, mid, q3 = np.percentile(xs, [25, 50, 75])
+    return float((q3 - q1) / mid) if mid > 0 else 0.0
