@@ -153,6 +153,14 @@ def fit_costs(prefill_points: Sequence[tuple[int, float]], decode_points: Sequen
     return StepCosts(overhead, rate, tuple(float(b) for b, _ in curve), non_decreasing([t for _, t in curve]), kv, label)
 
 
+def fit_noise(costs: StepCosts, prefill_points: Sequence[tuple[int, float]],
+              decode_points: Sequence[tuple[int, float]]) -> float:
+    """How far the points ``costs`` were fitted to stray from the fit: the std of measured / fitted, at least 5%."""
+    ratios = ([s / costs.prefill_s(n) for n, s in prefill_points]
+              + [s / costs.decode_step_s(b) for b, s in decode_points])
+    return max(0.05, float(np.std(ratios)))
+
+
 def loop_factor(costs: StepCosts, steps: Sequence[Step], mixed: bool = True) -> float:
     """What a served loop paid for its steps over what ``costs`` predicts for the same steps.
 

@@ -13,10 +13,12 @@ shared 2-core machine is noise.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from .decide import decide
 from .errors import check_number
+from .simulator import Validation
 from .timing import Timing
 
 TIE = 0.10
@@ -314,3 +316,15 @@ def decide_near(name: str, ratios: Sequence[float], *, low: float = 0.5, high: f
     return (decide(f"{name} < {high:g}x", t.median, bar=high, predicted=predicted, spread=t.relative_spread,
                    above=False),
             decide(f"{name} > {low:g}x", t.median, bar=low, predicted=predicted, spread=t.relative_spread))
+
+
+def decide_simulator(validation: Validation, cost_noise: float, *, bar: float = 2.0) -> list[str]:
+    """Decide, per figure of ``validation``, that the simulator is within ``bar``x of the served runs (either way).
+
+    The spread: ``cost_noise`` (how well the costs fit their points: :func:`utils.simulator.fit_noise`), how
+    far the simulated figure moved between the cost timings (a queue amplifies them) and the runs' own noise.
+    """
+    return [decide(f"the simulator's {a.what} within {bar:g}x of the measured run", max(a.ratio, 1 / a.ratio),
+                   bar=bar, predicted=1.0, above=False,
+                   spread=math.hypot(cost_noise, validation.sim_spread[a.what], validation.run_spread[a.what]))
+            for a in validation.agreement]
