@@ -75,8 +75,8 @@ test:
 # their report is the one a reader compares. Under one thread each lane is a learner's laptop with something else busy, which the
 # timing rule (utils/decide.py) must survive (make test-under-load shows it on both models).
 LANE := env OMP_NUM_THREADS=1
-# The planted regressions (they time the default model) run in lane b, so that both lanes end together
-# (on 2 cores: lane a ~3.5 min with the browser test on the test model, lane b ~3.5 min).
+# Most planted regressions (they time the default model) run in lane b, so that both lanes end together
+# (on 2 cores: each lane ~3.5 min, lane a with the browser test on the test model).
 LANE_B_TESTS := tests/test_planted.py
 test-lane-a:
 	@$(STEP) unit-tests -- $(LANE) timeout 900 $(PY) -m pytest tests -m "not browser" -p no:cacheprovider \
