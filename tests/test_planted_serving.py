@@ -28,7 +28,7 @@ def test_07_a_simulator_that_charges_thrice_fails_simulator_vs_served(lm, plante
     trace = make_trace(lm.tokenizer, [0.0, 0.05, 0.1, 0.3], [40, 24, 48, 32], [6, 8, 6, 6])
     token, runs = int(filler_ids(lm.tokenizer, 1, lm.device)[0, -1]), []
     for _ in range(3):
-        points = packed_step_costs(model, token, [16, 48], [1, 2], 48, repeats=3)
+        points = packed_step_costs(model, token, [16, 96], [1, 2], 48, repeats=3)  # far apart: the fit needs growth
         scheduler, executor = row_server(model, 2, 64, token_budget=32)
         runs.append((sim.fit_costs(*points, lm.spec.kv_bytes_per_token), serve(trace, scheduler, executor),
                      scheduler.history))
