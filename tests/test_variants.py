@@ -105,3 +105,31 @@ def test_decode_matmul_seconds_finds_the_matmuls(tiny_pair) -> None:
     _, hand = tiny_pair
     seconds = decode_matmul_seconds(hand, torch.tensor([[1, 2, 3, 4]]), n_tokens=3)
     assert 0 < seconds < 1
+
+
+def test_kernel_swap_speedup_replaces_only_the_operators() -> None:
+    from utils.variants import StepProfile, between_ops_gap, kernel_swap_speedup, profile_distortion
+
+    base = StepProfile(matmul_s=0.007, op_s=0.009, step_s=0.010)  # 1 ms between the operators
+    assert kernel_swap_speedup(base, StepProfile(0.002, 0.003, 0.005)) == pytest.approx(10 / 4)
+    assert kernel_swap_speedup(base, StepProfile(0.007, 0.009, 0.011)) == pytest.approx(1.0)  # same operators
+    assert kernel_swap_speedup(base, StepProfile(0.014, 0.017, 0.020)) == pytest.approx(10 / 18)  # slower: a loss
+    # a variant whose faster matmuls come with more operators around them gains less than its matmuls say
+    assert kernel_swap_speedup(base, StepProfile(0.002, 0.006, 0.008)) == pytest.approx(10 / 7)
+    # time the variant spends outside its operators (a sleep, Python) is not in the prediction
+    assert kernel_swap_speedup(base, StepProfile(0.002, 0.003, 0.500)) == pytest.approx(10 / 4)
+    assert between_ops_gap(base, StepProfile(0.002, 0.003, 0.004)) == pytest.approx(0.0)
+    assert between_ops_gap(base, StepProfile(0.002, 0.003, 0.500)) == pytest.approx((0.497 - 0.001) / 0.004)
+    # profiles that find bf16 1.2x faster than fp32 where the timer found 1.0x carry a 20 % error
+    assert profile_distortion(StepProfile(0, 0, 0.012), StepProfile(0, 0, 0.010), 1.0) == pytest.approx(0.2)
+    assert profile_distortion(StepProfile(0, 0, 0.012), StepProfile(0, 0, 0.010), 1.2) == pytest.approx(0.0)
+    assert base.matmul_share == pytest.approx(0.7)
+    assert StepProfile(0.02, 0.02, 0.01).matmul_share == 1.0
+
+
+def test_profile_decode_step_times_the_same_tokens(tiny_pair) -> None:
+    from utils.variants import profile_decode_step
+
+    _, hand = tiny_pair
+    profile = profile_decode_step(hand, torch.tensor([[1, 2, 3, 4]]), n_tokens=3)
+    assert 0 < profile.matmul_s < profile.op_s < profile.step_s < 1

@@ -7,13 +7,15 @@ draft model for speculative decoding next):
 - :func:`perplexity` on a fixed text, and :func:`tokens_agreed` with the baseline's greedy tokens;
 - :class:`VariantTable`: each variant's bytes, perplexity and agreement measured as it is
   added, and their decode speeds measured together, interleaved;
-- :func:`decode_matmul_seconds` and :func:`predicted_speedup`: the prediction a speed-up is
-  checked against: only the matmuls' share of a step shrinks with the bytes (Amdahl).
+- :func:`profile_decode_step`, :func:`predicted_speedup` and :func:`kernel_swap_speedup`: the
+  predictions a speed-up is checked against: only the matmuls' share of a step shrinks, with the
+  bytes (Amdahl) or with the variant's kernels' profiled time.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -25,7 +27,7 @@ from . import engine, llama_phases
 from .llama import Llama, RMSNorm, iter_linears
 from .quant import weight_bytes
 from .roofline import kv_bytes_per_token
-from .timing import Timing, profile_self_time
+from .timing import Timing, profile_self_time, synchronize
 
 def bytes_read_per_token(model: Llama) -> int:
     """Weight bytes one decode step reads: every projection (:func:`~utils.llama.iter_linears`) and
@@ -143,10 +145,29 @@ class VariantTable:
                           * (ids.shape[-1] + tokens[name] / 2))
 
 
-def decode_matmul_seconds(model: Any, ids: Tensor, n_tokens: int = 4) -> float:
-    """Seconds per decode step spent inside matmul operators (``torch.profiler`` self time, after a warm-up).
+@dataclass(frozen=True)
+class StepProfile:
+    """One profiled decode, per token: the matmuls' self time, every operator's self time, and the step's wall time.
 
-    Divide by a step's measured time (without the profiler) for the matmuls' share of the step.
+    All three come from the same tokens under the same profiler, so whatever else the machine
+    did at that moment (another program reading memory, a slower clock) weighs on them alike.
+    ``step_s - op_s`` is what runs between the operators: Python, dispatch, the profiler itself.
+    """
+
+    matmul_s: float
+    op_s: float
+    step_s: float
+
+    @property
+    def matmul_share(self) -> float:
+        return min(self.matmul_s / self.step_s, 1.0) if self.step_s > 0 else 0.0
+
+
+def profile_decode_step(model: Any, ids: Tensor, n_tokens: int = 4) -> StepProfile:
+    """Profile ``n_tokens`` decode steps after ``ids`` (after a warm-up): :class:`StepProfile`, per step.
+
+    The wall time includes the profiler's own cost per operator, so the matmuls' share of it
+    is a lower bound of their share of an unprofiled step.
     """
     engine.decode_speed(model, ids, n_tokens, repeats=1, warmup=0)
     cache = engine.new_cache(model, ids.shape[0], ids.shape[-1] + n_tokens)
@@ -155,8 +176,53 @@ def decode_matmul_seconds(model: Any, ids: Tensor, n_tokens: int = 4) -> float:
     if model.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
+        synchronize(model.device)
+        start = time.perf_counter()
         engine.decode_n_tokens(model, cache, token, n_tokens)
-    return profile_self_time(prof, model.device).get("matmul", 0.0) * 1e-6 / n_tokens
+        synchronize(model.device)
+        step_s = (time.perf_counter() - start) / n_tokens
+    per_kind = profile_self_time(prof, model.device)
+    return StepProfile(per_kind.get("matmul", 0.0) * 1e-6 / n_tokens, sum(per_kind.values()) * 1e-6 / n_tokens, step_s)
+
+
+def decode_matmul_seconds(model: Any, ids: Tensor, n_tokens: int = 4) -> float:
+    """Seconds per decode step spent inside matmul operators (``torch.profiler`` self time, after a warm-up).
+
+    Divide by a step's measured time (without the profiler) for the matmuls' share of the step.
+    """
+    return profile_decode_step(model, ids, n_tokens).matmul_s
+
+
+def kernel_swap_speedup(base: StepProfile, variant: StepProfile) -> float:
+    """Speed-up of the base step with its operators' time replaced by the variant's.
+
+    ``base.step_s / (base.step_s - base.op_s + variant.op_s)``: the variant's kernels and the
+    operators it adds around them (casts, reshapes) replace the base's; what runs between the
+    operators (the model's Python, dispatch) is taken as the base's, so a delay the variant adds
+    outside its operators does not lower the prediction. The profiles' own wall times are used,
+    never a step timed at another moment: a machine slower while one of them ran moves the
+    numerator and the denominator together.
+    """
+    between = max(base.step_s - base.op_s, 0.0)
+    return base.step_s / max(between + variant.op_s, 1e-12)
+
+
+
+
+def profile_distortion(slower: StepProfile, faster: StepProfile, timed_speedup: float) -> float:
+    """How far two profiles' speed ratio misses the same two models' timed one: ``|profiled / timed - 1|``.
+
+    A profiler slows each operator by its own cost, unevenly between models; a prediction made from
+    profiles carries that error. Measured on two models the check does not judge (fp32 and bf16),
+    it is part of the prediction's spread that a regression in the judged variant cannot move.
+    """
+    return abs(slower.step_s / faster.step_s / timed_speedup - 1)
+def between_ops_gap(base: StepProfile, variant: StepProfile) -> float:
+    """How far :func:`kernel_swap_speedup`'s assumption misses: the difference between the two profiles'
+    time between operators, relative to the predicted variant step. It joins the prediction's spread:
+    a variant that adds Python around its kernels (or a delay) widens it instead of moving the prediction."""
+    between_base, between_variant = max(base.step_s - base.op_s, 0.0), max(variant.step_s - variant.op_s, 0.0)
+    return abs(between_variant - between_base) / max(between_base + variant.op_s, 1e-12)
 
 
 def predicted_speedup(matmul_share: float, bytes_ratio: float) -> float:
@@ -178,4 +244,6 @@ __all__ = [
     "Int8Linear", "Int4Linear", "weight_bytes", "padded_width", "pad_to_multiple",
     "bytes_read_per_token", "perplexity", "tokens_agreed", "Variant", "VariantTable",
     "decode_matmul_seconds", "predicted_speedup",
+    "StepProfile", "profile_decode_step", "kernel_swap_speedup", "between_ops_gap",
+    "profile_distortion",
 ]
