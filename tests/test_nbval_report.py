@@ -41,6 +41,28 @@ def test_one_nbval_run_is_also_the_report(tmp_path):
     assert "Timing checks not decided here (1 of 2)" in (out / "index.html").read_text()
 
 
+def test_two_shards_run_at_once_join_into_one_report(tmp_path):
+    out = tmp_path / "out"
+    books = [write(tmp_path / "b_second.ipynb", CELLS[0]), write(tmp_path / "a_first.ipynb", *CELLS)]
+    runs = [subprocess.Popen([sys.executable, "-m", "pytest", str(nb), "--nbval-lax", "--nbval-current-env",
+                              "-p", "no:cacheprovider", "-p", "tools.nbval_report", "--report-out", str(out),
+                              "--report-shard", name, "-q"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
+            for nb, name in zip(books, "ab")]
+    assert [r.wait(timeout=300) for r in runs] == [0, 0]
+    assert not (out / "results.json").exists()  # a shard writes only its share
+    joined = subprocess.run([sys.executable, "-m", "utils.report", "join", str(out)], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert joined.returncode == 0, joined.stderr
+    doc = load(out / "results.json")
+    assert [e["name"] for e in doc["notebooks"]] == ["a_first", "b_second"]  # in path order
+    assert [(f["notebook"], f["name"]) for f in doc["figures"]] == [("a_first", "x_s"), ("b_second", "x_s")]
+    assert [(c["name"], c["outcome"]) for c in doc["checks"]] == [("clear", "passed"), ("in the noise", "undecided")]
+    assert "hello from the cell" in (out / "a_first.html").read_text()
+    empty = subprocess.run([sys.executable, "-m", "utils.report", "join", str(tmp_path)], cwd=REPO_ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert empty.returncode == 2 and "no shard-*.json" in empty.stderr
+
+
 def test_the_step_timer_logs_each_step_and_fails_with_the_table(tmp_path, capsys):
     log = tmp_path / "steps.tsv"
     assert step.main([str(log), "quick", "--", sys.executable, "-c", "pass"]) == 0

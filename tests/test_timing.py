@@ -40,6 +40,17 @@ def test_interleaved_runs_round_robin():
     assert set(out) == {"a", "b"} and all(len(t.samples) == 3 for t in out.values())
 
 
+def test_interleaved_setup_runs_untimed_and_feeds_its_call():
+    import time
+
+    seen = []
+    out = interleaved({"a": lambda x: seen.append(x), "b": lambda: time.sleep(0.002)}, repeats=2, warmup=0,
+                      setup={"a": lambda: time.sleep(0.05) or len(seen)})
+    assert seen == [0, 1]  # each call got its own setup's result
+    assert max(out["a"].samples) < 0.04 < 0.05  # the 50 ms setup is not in the time
+    assert min(out["b"].samples) >= 0.002
+
+
 @pytest.mark.parametrize("name, kind", [
     ("aten::mm", "matmul"), ("aten::addmm", "matmul"), ("aten::_weight_int8pack_mm", "matmul"),
     ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"), ("aten::softmax", "attention"),

@@ -9,6 +9,8 @@ and ``WORKBOOK_NOTEBOOK`` only while that kernel starts), puts the outputs back 
 and at the end writes what ``python -m utils.report run`` writes: each executed notebook as HTML,
 ``results.json`` (with every figure and every timing check's verdict) and ``index.html``. A notebook
 whose cell failed is marked failed with that cell's error; the report is written all the same.
+With ``--report-shard NAME`` it writes only ``shard-NAME.json`` (two pytest runs share one folder, and
+``python -m utils.report join DIR`` writes the report from their shards).
 """
 
 from __future__ import annotations
@@ -30,19 +32,25 @@ from utils.timing import quick
 def pytest_addoption(parser: Any) -> None:
     parser.addoption("--report-out", type=Path, default=None,
                      help="write the notebooks nbval runs as a workbook report into this folder")
+    parser.addoption("--report-shard", default=None,
+                     help="this run is one share of the report (another pytest writes the rest into the same "
+                          "folder): write shard-NAME.json there, for `python -m utils.report join FOLDER`")
 
 
 def pytest_configure(config: Any) -> None:
     out = config.getoption("--report-out")
     if out is not None:
-        config.pluginmanager.register(NotebookRecorder(out.resolve()), "workbook-nbval-report")
+        config.pluginmanager.register(NotebookRecorder(out.resolve(), config.getoption("--report-shard")),
+                                      "workbook-nbval-report")
 
 
 class NotebookRecorder:
     """Follows nbval's cells notebook by notebook; writes the report when the session ends."""
 
-    def __init__(self, out: Path) -> None:
-        self.out = report.prepare_out(out)
+    def __init__(self, out: Path, shard: str | None = None) -> None:
+        # a shard shares its folder with another run: it empties nothing (the caller starts from an empty folder)
+        self.out, self.shard = (report.prepare_out(out) if shard is None else out), shard
+        (self.out / "figures").mkdir(parents=True, exist_ok=True)
         self.runs: dict[Path, dict[str, Any]] = {}
         self.started = time.perf_counter()
 
@@ -86,7 +94,11 @@ class NotebookRecorder:
 
     def pytest_sessionfinish(self, session: Any) -> None:
         entries = [self._entry(path, run) for path, run in self.runs.items()]
-        if entries:
+        if entries and self.shard is not None:
+            path = report.write_shard(self.out, self.shard, entries, report.run_settings(quick()),
+                                      time.perf_counter() - self.started)
+            print(f"\nreport shard: {len(entries)} notebooks; wrote {path}")
+        elif entries:
             doc = report.write_report(self.out, entries, report.run_settings(quick()),
                                       time.perf_counter() - self.started)
             print(f"\nreport: {len(entries)} notebooks, {len(doc['figures'])} figures, timing checks "

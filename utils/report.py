@@ -21,6 +21,7 @@ import argparse
 import base64
 import html
 import io
+import json
 import os
 import re
 import shutil
@@ -150,7 +151,7 @@ def execute(path: Path, html_path: Path, env: dict[str, str], cell_timeout: int,
 def prepare_out(out: Path) -> Path:
     """``out`` emptied of an earlier report's files (only those), with a fresh ``figures/``."""
     out.mkdir(parents=True, exist_ok=True)
-    for old in [*out.glob("*.html"), *out.glob("*.png"), out / "results.json"]:
+    for old in [*out.glob("*.html"), *out.glob("*.png"), *out.glob("shard-*.json"), out / "results.json"]:
         old.unlink(missing_ok=True)
     shutil.rmtree(out / "figures", ignore_errors=True)
     (out / "figures").mkdir()
@@ -220,6 +221,25 @@ def write_report(out: Path, entries: list[dict[str, Any]], settings: dict[str, A
     save(doc, out / "results.json")
     (out / "index.html").write_text(index_html(doc), encoding="utf8")
     return doc
+
+
+def write_shard(out: Path, name: str, entries: list[dict[str, Any]], settings: dict[str, Any], seconds: float) -> Path:
+    """One share of a report run in parallel (``make test`` runs the default model's notebooks in two lanes):
+    its notebooks' entries in ``out/shard-<name>.json``; :func:`join_shards` writes the report from all of them."""
+    path = out / f"shard-{name}.json"
+    path.write_text(json.dumps({"entries": entries, "settings": settings, "seconds": round(seconds, 1)}), encoding="utf8")
+    return path
+
+
+def join_shards(out: Path) -> dict[str, Any]:
+    """``results.json`` and ``index.html`` in ``out`` from every ``shard-*.json`` there (their figure files
+    are already in ``out/figures``): the notebooks in path order, the earliest start, the longest shard's time."""
+    shards = [json.loads(p.read_text(encoding="utf8")) for p in sorted(out.glob("shard-*.json"))]
+    if not shards:
+        raise ResultsError(f"no shard-*.json in {out}: nothing to join")
+    entries = sorted((e for s in shards for e in s["entries"]), key=lambda e: e["path"])
+    settings = min((s["settings"] for s in shards), key=lambda st: st["started"])
+    return write_report(out, entries, settings, max(s["seconds"] for s in shards))
 
 
 def check_counts(doc: dict[str, Any], notebook: str | None = None) -> dict[str, int]:
@@ -532,9 +552,11 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("files", nargs="+")
     i = sub.add_parser("index", help="(re)write the index.html beside a results.json")
     i.add_argument("files", nargs="+")
+    j = sub.add_parser("join", help="write the report of a folder from its shard-*.json (a run in parallel lanes)")
+    j.add_argument("folder", type=Path)
     a = p.parse_args(argv)
     try:
-        return {"run": _run, "compare": _compare, "validate": _validate, "index": _index}[a.command](a)
+        return {"run": _run, "compare": _compare, "validate": _validate, "index": _index, "join": _join}[a.command](a)
     except ResultsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -551,6 +573,12 @@ def _run(a: argparse.Namespace) -> int:
           f"timing checks: {checks_summary(doc)}; "
           f"wrote {out}/index.html" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
+
+
+def _join(a: argparse.Namespace) -> int:
+    doc = join_shards(a.folder.resolve())
+    print(f"joined {len(doc['notebooks'])} notebooks into {a.folder}/results.json; timing checks: {checks_summary(doc)}")
+    return 0
 
 
 def _compare(a: argparse.Namespace) -> int:

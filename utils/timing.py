@@ -133,22 +133,26 @@ def measure(fn: Callable[..., Any], *, setup: Callable[[], Any] | None = None,
     return result
 
 
-def interleaved(fns: Mapping[str, Callable[[], Any]], *, repeats: int = 5, warmup: int = 1,
+def interleaved(fns: Mapping[str, Callable[..., Any]], *, repeats: int = 5, warmup: int = 1,
                 device: torch.device | str | None = None, progress: bool | None = None,
-                desc: str = "interleaved") -> dict[str, Timing]:
+                desc: str = "interleaved", setup: Mapping[str, Callable[[], Any]] | None = None) -> dict[str, Timing]:
     """Time several functions round-robin (A, B, C, A, B, C, ...): ``{name: Timing}``.
 
     On a shared or throttling machine a slow spell then hits every variant alike, so
-    their *ratio* stays meaningful even when each absolute time wobbles.
+    their *ratio* stays meaningful even when each absolute time wobbles. ``setup[name]``,
+    if given, runs untimed before each call of ``fns[name]`` and its result is passed to it
+    (as in :func:`measure`).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    setup = setup or {}
     samples: dict[str, list[float]] = {name: [] for name in fns}
     show = progress if progress is not None else repeats * len(fns) > 20
     for i in _progress(range(warmup + repeats), show, desc):
         for name, fn in fns.items():
+            args = (setup[name](),) if name in setup else ()
             with timer(device) as t:
-                fn()
+                fn(*args)
             if i >= warmup:
                 samples[name].append(t["seconds"])
     return {name: Timing(tuple(s)) for name, s in samples.items()}
