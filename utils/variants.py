@@ -158,16 +158,13 @@ class StepProfile:
     op_s: float
     step_s: float
 
-    @property
-    def matmul_share(self) -> float:
-        return min(self.matmul_s / self.step_s, 1.0) if self.step_s > 0 else 0.0
-
 
 def profile_decode_step(model: Any, ids: Tensor, n_tokens: int = 4) -> StepProfile:
     """Profile ``n_tokens`` decode steps after ``ids`` (after a warm-up): :class:`StepProfile`, per step.
 
-    The wall time includes the profiler's own cost per operator, so the matmuls' share of it
-    is a lower bound of their share of an unprofiled step.
+    The wall time includes the profiler's own cost per operator: compare profiles with profiles
+    (:func:`kernel_swap_speedup`), and a profile with a timed step only through a ratio
+    (:func:`profile_distortion`).
     """
     engine.decode_speed(model, ids, n_tokens, repeats=1, warmup=0)
     cache = engine.new_cache(model, ids.shape[0], ids.shape[-1] + n_tokens)
