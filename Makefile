@@ -74,8 +74,8 @@ test:
 # make test's two lanes, run side by side on a 2-core machine with one torch thread each (OMP_NUM_THREADS=1):
 # each lane first runs half of the default model's notebooks (the two halves write one report, joined after the
 # lanes), then most unit tests and the browser test in lane a; the test model's notebooks (AVX2) and the planted
-# regressions in lane b. Side by side the work takes ~1.5 minutes less than with the default model's notebooks
-# alone on both cores first (one thread beside the other half runs a notebook 1.63x slower; two run at once). Under one thread each
+# regressions in lane b. One thread runs a notebook ~1.5x slower than two (04 and 06: 114 s against 78 s), so
+# the two halves side by side need ~3/4 of the time the whole took alone on both cores (README). Under one thread each
 # lane is a learner's laptop with something else busy, which the timing rule (utils/decide.py) must survive
 # (make test-under-load shows it on both models, each notebook pass with every core). The reference report a
 # reader compares between machines is make report's, with every core.
