@@ -316,3 +316,27 @@ def test_gradebook_files(graded_class: tuple[dict[str, grade.Graded], Path]) -> 
     assert "toy_tok_s" in (out / "feedback" / "ada-toy.md").read_text(encoding="utf8")
     summary = grade.summary(list(graded.values()))
     assert summary.count("\n  ") == sum(len(g.problems) for g in graded.values()) >= 7
+
+
+def test_a_check_after_its_exercise_was_repaired_earns_nothing(tmp_path: Path) -> None:
+    """An exercise checked again further down (the quantization lab's quantize_model): once a failed
+    exercise is repaired with the solution, its later checks run on the solution, so they score nothing."""
+    code = nbformat.v4.new_code_cell
+    solution = fake_solution(timed=False)
+    solution.cells = solution.cells[:4] + [code(SQUARE), code('check_equal("square(3)", square(3), 9)'),
+                                           code('check_equal("double(5)", double(5), 10)')]
+    (tmp_path / "solutions").mkdir()
+    nbformat.write(solution, tmp_path / "solutions" / "later.ipynb")
+    make_labs.write_labs(tmp_path / "solutions", tmp_path / "labs")
+    stub = nbformat.read(tmp_path / "labs" / "later.ipynb", as_version=4)
+    assert [grade.role(c) for c in stub.cells][-1] == ("check", "double")
+    wrong = with_exercise(nbformat.read(tmp_path / "labs" / "later.ipynb", as_version=4), "double",
+                          "def double(x):\n    return 3 * x")
+    wrong = with_exercise(wrong, "square", "def square(x):\n    return x * x")
+    paths = [write(stub, tmp_path / "class" / "stub" / "later.ipynb"),
+             write(wrong, tmp_path / "class" / "wrong" / "later.ipynb")]
+    graded = {g.student: g for g in grade.grade_class(paths, tmp_path / "grades", tmp_path / "labs",
+                                                      tmp_path / "solutions", grade.Limits(cell_s=8, notebook_s=60))}
+    assert scores(graded["stub"]) == {"double": (0, 2, "not attempted"), "square": (0, 1, "not attempted")}
+    assert scores(graded["wrong"]) == {"double": (0, 2, "failed"), "square": (1, 1, "passed")}
+    assert any("ran on the solution" in m for m in graded["wrong"].outcomes[0].messages)

@@ -20,7 +20,9 @@ submission only, and the exercises not reached score zero.
 (``solutions/<lab>.ipynb``) is run in its place and its cells up to its last check are run again,
 silently, before the notebook goes on: a later exercise is graded on a correct past, so a wrong
 answer early does not fail every check after it (nbgrader's autograder does not do this; on a solved
-or an untouched stub notebook the two agree).
+or an untouched stub notebook the two agree). A check of the repaired exercise further down (an
+exercise checked in several places) then runs on the solution, not on the student's code: it earns
+nothing and takes the exercise's first failed verdict.
 
 **Not gradable here.** A check cell that runs without error but could not decide on this machine:
 a timing check :func:`utils.decide.decide` left undecided (read from the ``WORKBOOK_RESULTS`` file
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import glob
 import html
 import os
@@ -233,6 +236,7 @@ class CellRun:
     text: str
     undecided: bool
     figures: list[dict[str, Any]]
+    on_solution: bool = False  # a check of an exercise already repaired: it ran on the solution, not the student's
 
 
 @dataclass(frozen=True)
@@ -325,7 +329,7 @@ def execute(cells: list[Any], lab: Lab, workdir: Path, env: dict[str, str], limi
     client = NotebookClient(nb, km=km, allow_errors=True, shutdown_kernel="immediate",
                             extra_arguments=limits.kernel_arguments(),
                             resources={"metadata": {"path": str(workdir)}})
-    results, runs, failed = Path(env[ENV_FILE]), {}, set()
+    results, runs, failed, repaired = Path(env[ENV_FILE]), {}, set(), set()
     points, deadline, index, stop = repair_points(cells), time.monotonic() + limits.notebook_s, -1, None
     try:
         with open(log, "w", encoding="utf8") as stderr, client.setup_kernel(env=env, stderr=stderr):
@@ -333,10 +337,13 @@ def execute(cells: list[Any], lab: Lab, workdir: Path, env: dict[str, str], limi
                 if cell.cell_type != "code":
                     continue
                 runs[index] = run_cell(client, cell, index, results, deadline, limits)
-                if (found := role(cell)) and runs[index].error:
+                if (found := role(cell)) and found[1] in repaired:
+                    runs[index] = dataclasses.replace(runs[index], on_solution=True)
+                elif found and runs[index].error:
                     failed.add(found[1])
-                if index in points and points[index][0] in failed:
+                if index in points and points[index][0] in failed - repaired:
                     repair(client, cells, points[index], index, lab, results, deadline, limits)
+                    repaired.add(points[index][0])
     except NotebookTimeout:
         stop = f"the notebook ran over its time limit ({limits.notebook_s:g} s) at cell {index}"
     except CellTimeoutError:
@@ -396,6 +403,9 @@ def score(cells: Sequence[Any], runs: dict[int, CellRun], lab: Lab) -> list[Outc
                 continue
             points = int(cell.metadata.get("nbgrader", {}).get("points", 1))
             verdict, message = check_verdict(runs.get(index))
+            if (run := runs.get(index)) is not None and run.on_solution:  # nothing of the student's was checked
+                verdict = next((v for v in verdicts if v in (NOT_ATTEMPTED, FAILED)), FAILED)
+                message = f"cell {index}: ran on the solution (this exercise was repaired after its failed check): no point"
             verdicts.append(verdict)
             messages += [message] if message else []
             out_of += 0 if verdict == NOT_GRADABLE_HERE else points
