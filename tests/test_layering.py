@@ -45,3 +45,21 @@ def test_readme_and_package_docstring_list_the_same_order():
     doc_order = re.findall(r"^- ``(\w+)``", utils.__doc__, flags=re.M)
     readme_order = re.findall(r"^utils/(\w+)\.py", README.read_text(), flags=re.M)
     assert doc_order == list(utils.MODULE_ORDER) == readme_order
+
+
+def test_every_name_in_a_modules_all_is_defined_there():
+    """``from utils.x import *`` works: each name in ``__all__`` is defined or imported at the module's top."""
+    for path in sorted(UTILS.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        defined = set()
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                defined |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        listed = next((ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                       and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)), [])
+        assert not set(listed) - defined, f"{path.name}: __all__ names {sorted(set(listed) - defined)} it does not define"

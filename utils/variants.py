@@ -235,10 +235,6 @@ def predicted_speedup(matmul_share: float, bytes_ratio: float) -> float:
 
 
 __all__ = [
-    "quantize_int8", "dequantize_int8", "int8_matmul_reference", "int8_matmul_kernel",
-    "pack_int4", "unpack_int4", "quantize_int4", "quantize_int4_unpacked", "dequantize_int4",
-    "int4_kernel_pack", "int4_scales_and_zeros", "int4_matmul_kernel", "kernel_agrees",
-    "Int8Linear", "Int4Linear", "weight_bytes", "padded_width", "pad_to_multiple",
     "bytes_read_per_token", "perplexity", "tokens_agreed", "Variant", "VariantTable",
     "decode_matmul_seconds", "predicted_speedup",
     "StepProfile", "profile_decode_step", "kernel_swap_speedup", "between_ops_gap",
