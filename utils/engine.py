@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -78,10 +78,8 @@ def prefill(model: Any, cache: Any, ids: Tensor, mask: Tensor | None = None) -> 
     return backend_for(model).prefill(model, cache, ids, mask)
 
 
-def decode_one_token(model: Any, cache: Any, token: Tensor, step: Callable[..., Tensor] | None = None) -> Tensor:
+def decode_one_token(model: Any, cache: Any, token: Tensor) -> Tensor:
     """One new token per row ([B] or [B, 1]) at the next position: logits [B, V]."""
-    if step is not None:
-        return llama_phases.decode_one_token(model, cache, token, step)
     return backend_for(model).decode_one_token(model, cache, token)
 
 
@@ -107,8 +105,8 @@ def _eos_tensor(eos_token_id: int | Sequence[int] | None, device: torch.device) 
 
 @torch.inference_mode()
 def decode_steps(model: Any, cache: Any, token: Tensor, n: int, *, sampling: Sampling = GREEDY,
-                 eos_token_id: int | Sequence[int] | None = None, generator: torch.Generator | None = None,
-                 step: Callable[..., Tensor] | None = None) -> Iterator[Tensor]:
+                 eos_token_id: int | Sequence[int] | None = None,
+                 generator: torch.Generator | None = None) -> Iterator[Tensor]:
     """Feed ``token`` [B] (the last one sampled) and yield the next token of every row [B], up to ``n`` times.
 
     A row that has produced an end-of-sequence token keeps yielding it (as padding);
@@ -119,7 +117,7 @@ def decode_steps(model: Any, cache: Any, token: Tensor, n: int, *, sampling: Sam
     for _ in range(n):
         if done is not None and bool(done.all()):
             return
-        nxt = sample(decode_one_token(model, cache, token, step), sampling, generator)
+        nxt = sample(decode_one_token(model, cache, token), sampling, generator)
         if done is not None:
             nxt = torch.where(done, eos[0], nxt)
             done = done | torch.isin(nxt, eos)
@@ -140,7 +138,7 @@ def _as_batch(ids: Tensor) -> Tensor:
 @torch.inference_mode()
 def generate(model: Any, ids: Tensor, max_new_tokens: int, mask: Tensor | None = None, *,
              sampling: Sampling = GREEDY, eos_token_id: int | Sequence[int] | None = None,
-             step: Callable[..., Tensor] | None = None, static: bool = False) -> Tensor:
+             static: bool = False) -> Tensor:
     """Prefill, then decode: the NEW tokens [B, n] (n <= max_new_tokens; greedy by default).
 
     The cache is sized to the request: prompt + max_new_tokens positions.
@@ -153,7 +151,7 @@ def generate(model: Any, ids: Tensor, max_new_tokens: int, mask: Tensor | None =
     generator = sampling.generator()
     first = sample(prefill(model, cache, ids, mask), sampling, generator)  # [B]
     rest = decode_n_tokens(model, cache, first, max_new_tokens - 1, sampling=sampling,
-                           eos_token_id=eos_token_id, generator=generator, step=step)
+                           eos_token_id=eos_token_id, generator=generator)
     return torch.cat([first[:, None], rest], dim=1)
 
 
@@ -345,7 +343,7 @@ def measure_prefills(lm: LoadedModel, lengths: Sequence[int], *, repeats: int = 
 
 
 def decode_speed(model: Any, ids: Tensor, n_tokens: int = 32, *, repeats: int = 3, warmup: int = 1,
-                 step: Callable[..., Tensor] | None = None, static: bool = False) -> PhaseResult:
+                 static: bool = False) -> PhaseResult:
     """Time ``n_tokens`` greedy decode steps after an untimed prefill of ``ids`` [B, T].
 
     The one decode-speed function: tokens = ``n_tokens x B`` (every row makes one per
@@ -361,7 +359,7 @@ def decode_speed(model: Any, ids: Tensor, n_tokens: int = 32, *, repeats: int = 
         return cache, prefill(model, cache, ids).argmax(dim=-1)
 
     def run(arg: tuple[Any, Tensor]) -> None:
-        for _ in decode_steps(model, arg[0], arg[1], n_tokens, step=step):
+        for _ in decode_steps(model, arg[0], arg[1], n_tokens):
             pass
 
     timing = measure(run, setup=setup, warmup=warmup, repeats=repeats, device=device_of(model),

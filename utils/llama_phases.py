@@ -17,13 +17,9 @@ from the model's type:
   tokens together); ``batch`` (:class:`utils.executors.PackedBatch`) says where each lives.
 
 :func:`forward_no_cache` recomputes a whole sequence (the quadratic baseline).
-``decode_one_token(..., step=fn)`` runs ``fn`` (same call as the model, e.g. a compiled
-copy) in place of the eager model, over a ``static`` cache whose shapes never change.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -31,10 +27,6 @@ from torch import Tensor
 from .errors import (EmptyPromptError, PromptTooLongError, WorkbookError, check_prompt_length,
                      check_token_ids)
 from .llama import KVCache, Llama
-
-# A step: (tokens [B, T], slots [T], cache, kv_len, last_only) -> logits [B, T', V].
-StepFn = Callable[..., Tensor]
-
 
 def max_context(model: Llama) -> int:
     """Positions the model was trained for (``max_position_embeddings``)."""
@@ -113,12 +105,11 @@ def prefill(model: Llama, cache: KVCache, input_ids: Tensor,
 
 
 @torch.inference_mode()
-def decode_one_token(model: Llama, cache: KVCache, token: Tensor,
-                     step: StepFn | None = None) -> Tensor:
+def decode_one_token(model: Llama, cache: KVCache, token: Tensor) -> Tensor:
     """Run one new token per row (``token``: [B] or [B, 1]) at the next slot; logits [B, V].
 
     Eager: attends to the ``length + 1`` filled slots. ``cache.static``: to all ``max_len``
-    slots (masked), so a compiled ``step`` always sees one shape.
+    slots (masked): one shape at every step, as a compiled step needs (:mod:`utils.fast`).
     """
     slot = cache.length
     if slot >= cache.max_len:
@@ -127,8 +118,7 @@ def decode_one_token(model: Llama, cache: KVCache, token: Tensor,
             "Make the cache as large as prompt + new tokens.")
     slots = torch.tensor([slot], device=cache.device)  # [1]
     kv_len = cache.max_len if cache.static else slot + 1
-    run = model if step is None else step  # (a compiled module has no truth value)
-    logits = run(token.view(-1, 1), slots, cache, kv_len)  # [B, 1, V]
+    logits = model(token.view(-1, 1), slots, cache, kv_len)  # [B, 1, V]
     cache.length = slot + 1
     return logits[:, -1]
 
