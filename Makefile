@@ -179,7 +179,7 @@ $(GRADE_EXTRA): $(STAMP) $(BYTECODE)
 	touch $@
 
 # Every real lab graded three times (solved: full marks; stub: zero; a planted mistake: its exercise only),
-# on the test model with the short settings. Slow (tests/test_grade_full.py), so not part of make test.
+# on the test model with the short settings (tests/test_grade_full.py): about 3.5 min on 2 cores, so not part of make test.
 test-grade: setup
 	WORKBOOK_GRADE_FULL=1 WORKBOOK_QUICK=1 WORKBOOK_MODEL=$(TEST_MODEL) $(PY) -m pytest tests/test_grade_full.py -m grade_full -p no:cacheprovider -s
 
