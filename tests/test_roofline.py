@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import pytest
 
 from utils import roofline as rl
@@ -343,3 +345,37 @@ def test_step_costs_no_cache_grows_with_context_and_cached_stays_near_the_fixed_
     assert costs.no_cache_s(c) - costs.no_cache_s(c, False) == pytest.approx(
         rl.attention_score_bytes(30, 9, c, 0, 4, 8) / 30e9)
     assert costs.no_cache_s(c) / costs.cached_s(c) > 10 > costs.no_cache_s(32) / costs.cached_s(32)
+
+
+# ----------------------------------------------------------------------------- fitting measured prefill passes
+
+GRID = [16, 32, 64, 128, 256, 512, 1024]
+
+
+def _physics(n: int, fixed: float = 0.05, token: float = 0.002, pair: float = 1e-7) -> float:
+    return fixed + n * token + n * (n + 1) / 2 * pair
+
+
+def test_prefill_fit_recovers_the_three_terms_of_the_physics():
+    fit = rl.fit_prefill_time(GRID, [_physics(n) for n in GRID])
+    assert (fit.fixed_s, fit.per_token_s, fit.per_pair_s) == pytest.approx((0.05, 0.002, 1e-7), rel=1e-6)
+    assert fit.worst_residual < 1e-9 and fit.seconds(2000) == pytest.approx(_physics(2000))
+    assert fit.rate_tok_s == pytest.approx(500) and fit.attention_share(1000) == pytest.approx(
+        1000 * 1001 / 2 * 1e-7 / _physics(1000))
+
+
+def test_one_fast_long_point_cannot_make_the_fixed_cost_negative():
+    times = [_physics(n, pair=1e-6) for n in GRID]
+    times[-1] *= 1.2  # one slow long pass on a convex curve: an unweighted line now starts below zero
+    assert np.polyfit(GRID, times, 1)[1] < 0
+    fit = rl.fit_prefill_time(GRID, times)
+    assert fit.fixed_s == pytest.approx(0.05, rel=0.1)  # the short prompts still set the fixed cost
+    assert min(fit.fixed_s, fit.per_token_s, fit.per_pair_s) >= 0 and fit.worst_residual > 0.05
+
+
+def test_prefill_fit_leaves_attention_out_below_four_lengths_and_refuses_falling_times():
+    fit = rl.fit_prefill_time([32, 128, 256], [_physics(n) for n in (32, 128, 256)])
+    assert fit.per_pair_s == 0 and fit.worst_residual < 0.05
+    assert rl.fit_prefill_time([64, 64], [0.1, 0.1]).per_token_s == pytest.approx(0.1 / 64)
+    with pytest.raises(WorkbookError, match="do not grow"):
+        rl.fit_prefill_time([10, 100, 1000], [0.2, 0.1, 0.15])

@@ -37,7 +37,9 @@ def test_fit_recovers_an_exact_line_and_interpolates_the_decode_curve():
 
 def test_fit_never_gives_a_negative_overhead_or_a_falling_extrapolation():
     c = S.fit_costs([(10, 0.05), (100, 1.2)], [(2, 0.05), (4, 0.04)], 1)  # a noisy, falling curve end
-    through_origin = (10 * 0.05 + 100 * 1.2) / (10**2 + 100**2)  # least squares of s = n / rate
+    # a line through both would start at -78 ms: the fit drops the fixed cost, least squares of s = n / rate
+    # on the relative error (each point weighted by 1 / its time)
+    through_origin = (10 / 0.05 + 100 / 1.2) / ((10 / 0.05) ** 2 + (100 / 1.2) ** 2)
     assert c.prefill_overhead_s == 0 and c.prefill_s(100) == pytest.approx(100 * through_origin)
     assert c.decode_step_s(1) == pytest.approx(0.045)  # flat below the first point; the falling pair pooled
     assert c.decode_step_s(4) == pytest.approx(0.045) and c.decode_step_s(16) == pytest.approx(0.045)

@@ -61,7 +61,13 @@ def test_prefill_bound_follows_the_floors():
     s = V.prefill_bound(**PREFILL_AVX512_SHORT)
     assert "neither explains it" in s and "fixed cost is what the roofline leaves out" in s and "64%" in s
     s = V.prefill_bound(**PREFILL_AVX512_SHORT_SLOW_MM)
-    assert "matmuls run at only 34% of the rate of one large square matmul" in s
+    assert "matmuls, the other 57.6 ms, run at 34% of the rate of one large square matmul." in s
+    long = dict(n_tokens=1024, measured_s=1.07, compute_s=0.71, memory_s=0.02, fixed_s=0.053)
+    s = V.prefill_bound(**long, attention_s=0.33, attention_floor_s=0.10)  # chapter 03 at full settings
+    assert "attention, the fit's n-squared term, 330.0 ms (31%), runs at 30% of the large-matmul rate" in s
+    assert "run at 89% of the rate" in s and "the fixed cost and attention are what the roofline leaves out" in s
+    alone = V.prefill_bound(**long)  # (0.71 - 0.10) / (1.07 - 0.053 - 0.33) above; 0.71 / (1.07 - 0.053) here
+    assert "attention" not in alone and "run at 70% of the rate of one large square matmul." in alone
     gpu = dict(n_tokens=16, measured_s=0.0012, compute_s=0.0001, memory_s=0.0011, fixed_s=0.0)
     assert "memory-bandwidth-bound here" in V.prefill_bound(**gpu)
 

@@ -36,8 +36,11 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import numpy as np
 
 from .errors import (InvalidTokenCountError, OutOfMemoryError, WorkbookError, check_count,
                      check_fraction, check_number)
@@ -540,3 +543,79 @@ class CacheStepModel:
         """One step of one new token over ``c`` cached ones."""
         kv = self.kv_bytes_per_token * c / self.bandwidth_bytes_s
         return self.fixed_s + kv + (self.score_traffic_s(1, c) if traffic else 0.0)
+
+
+# ----------------------------------------------------------------------------- the cost of a prefill pass, fitted
+
+
+@dataclass(frozen=True)
+class PrefillFit:
+    """Measured prefill passes fitted to the physics: ``TTFT(n) = fixed + n x per_token + n(n+1)/2 x per_pair``.
+
+    ``fixed_s``: what every pass costs whatever its length (operators launched, every weight read
+    once); ``per_token_s``: one more prompt token through the weights' matmuls; ``per_pair_s``: one
+    more causal query-key pair of attention (``n(n+1)/2`` of them, :func:`attention_flops`). All three
+    are >= 0: no term of the physics saves time. ``worst_residual``: the largest
+    ``|fit - measured| / measured`` over the points fitted.
+    """
+
+    fixed_s: float
+    per_token_s: float
+    per_pair_s: float
+    worst_residual: float
+
+    def seconds(self, n_tokens: int) -> float:
+        """The fitted time of one pass over ``n_tokens`` (a prediction beyond the lengths measured)."""
+        n = check_count(n_tokens, "n_tokens", error=InvalidTokenCountError)
+        return self.fixed_s + n * self.per_token_s + n * (n + 1) / 2 * self.per_pair_s
+
+    @property
+    def rate_tok_s(self) -> float:
+        """Prompt tokens per second at the margin, before attention: ``1 / per_token_s``."""
+        return 1.0 / self.per_token_s
+
+    def attention_share(self, n_tokens: int) -> float:
+        """The part of ``seconds(n)`` the attention term accounts for."""
+        n = check_count(n_tokens, "n_tokens", error=InvalidTokenCountError)
+        return n * (n + 1) / 2 * self.per_pair_s / self.seconds(n)
+
+    def __str__(self) -> str:
+        pair = f" + n(n+1)/2 x {self.per_pair_s * 1e9:.3g} ns" if self.per_pair_s else ""
+        return f"TTFT(n) = {self.fixed_s * 1e3:.1f} ms + n x {self.per_token_s * 1e3:.3f} ms{pair}"
+
+
+def fit_prefill_time(lengths: Sequence[int], seconds: Sequence[float], *,
+                     attention: bool | None = None) -> PrefillFit:
+    """:class:`PrefillFit` of measured passes: least squares on the **relative** error, every term >= 0.
+
+    Each point is weighted by 1 / its own time, so a noisy long prompt cannot pull the fixed cost
+    below zero (an unweighted line through 16 .. 1,024 tokens can). The terms are fitted by trying
+    every subset that keeps the per-token term and keeping the best fit whose coefficients are all
+    >= 0 (non-negative least squares, exact for three terms). ``attention``: fit the quadratic term;
+    by default only from 4 distinct lengths up (three terms need a point left over to be tested).
+    """
+    n = np.array([check_count(x, "prefill tokens", error=InvalidTokenCountError) for x in lengths], dtype=float)
+    s = np.array([check_number(x, "prefill seconds", "s") for x in seconds], dtype=float)
+    if len(n) != len(s) or not len(n):
+        raise WorkbookError(f"fit_prefill_time needs one time per length (got {len(n)} lengths, {len(s)} times).")
+    distinct = len(set(n.tolist()))
+    if distinct >= 2 and np.polyfit(n, s, 1)[0] <= 0:
+        raise WorkbookError("The prefill times do not grow with the prompt length: measure a wider "
+                            f"range of lengths (got {list(zip(n.tolist(), s.tolist()))}).")
+    attention = distinct >= 4 if attention is None else attention
+    columns = np.stack([np.ones_like(n), n, n * (n + 1) / 2], axis=1) / s[:, None]  # rows weighted by 1 / s
+    candidates = ([(1,), (0, 1)] + ([(1, 2), (0, 1, 2)] if attention else [])) if distinct >= 2 else [(1,)]
+    best: tuple[float, np.ndarray] | None = None
+    for keep in candidates:
+        coef, *_ = np.linalg.lstsq(columns[:, keep], np.ones_like(s), rcond=None)
+        if coef.min() < 0 or coef[keep.index(1)] <= 0:
+            continue  # a negative term: not the physics
+        full = np.zeros(3)
+        full[list(keep)] = coef
+        error = float(np.sum((columns @ full - 1.0) ** 2))
+        if best is None or error < best[0] - 1e-12:  # a tie keeps the fewer terms (tried first)
+            best = (error, full)
+    assert best is not None  # the per-token term alone always fits times that grow
+    full = best[1]
+    worst = float(np.max(np.abs(columns @ full - 1.0)))
+    return PrefillFit(float(full[0]), float(full[1]), float(full[2]), worst)

@@ -60,7 +60,8 @@ from .plotting import COLORS, finish, new_axes, plot_measured, plot_predicted
 class StepCosts:
     """What one step costs on one machine: prefill of ``n`` tokens, a decode step over ``B`` rows.
 
-    Prefill: ``prefill_overhead_s + n / prefill_rate_tok_s``. Decode: linear interpolation
+    Prefill: ``prefill_overhead_s + n / prefill_rate_tok_s + n(n+1)/2 x prefill_pair_s`` (chapter 03's
+    fit, :func:`utils.roofline.fit_prefill_time`; the attention term only when fitted). Decode: linear interpolation
     over the curve (``decode_batches``, ``decode_step_times_s``), flat below its first
     point and extended along its last segment (never downwards) beyond its last.
     """
@@ -71,11 +72,12 @@ class StepCosts:
     decode_step_times_s: tuple[float, ...]
     kv_bytes_per_token: float
     label: str = ""
+    prefill_pair_s: float = 0.0
 
     def prefill_s(self, n_tokens: int) -> float:
         """Seconds to prefill ``n_tokens`` prompt tokens (one call)."""
         n = check_count(n_tokens, "n_tokens")
-        return self.prefill_overhead_s + n / self.prefill_rate_tok_s
+        return self.prefill_overhead_s + n / self.prefill_rate_tok_s + n * (n + 1) / 2 * self.prefill_pair_s
 
     def decode_step_s(self, batch: int) -> float:
         """Seconds of one decode step over ``batch`` rows (each makes one token)."""
@@ -101,7 +103,8 @@ class StepCosts:
         """Every step ``factor`` times as long (e.g. the costs as a served loop paid them: :func:`loop_factor`)."""
         f = check_number(factor, "factor")
         return StepCosts(self.prefill_overhead_s * f, self.prefill_rate_tok_s / f, self.decode_batches,
-                         tuple(t * f for t in self.decode_step_times_s), self.kv_bytes_per_token, self.label)
+                         tuple(t * f for t in self.decode_step_times_s), self.kv_bytes_per_token, self.label,
+                         self.prefill_pair_s * f)
 
     def step_s(self, step: Step, mixed: bool = True) -> float:
         """Seconds of one iteration: prompt chunks (``n > 1``) and decode tokens (``n == 1``).
@@ -118,39 +121,26 @@ class StepCosts:
         return sum(self.prefill_s(n) for n in chunks) + self.decode_step_s(batch)
 
 
-def _fit_prefill_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """(overhead_s, rate_tok_s) of the least-squares line ``s = overhead + n / rate``, overhead >= 0."""
-    n = np.array([check_count(p[0], "prefill tokens") for p in points], dtype=float)
-    s = np.array([check_number(p[1], "prefill seconds", "s") for p in points])
-    if len(set(n)) < 2:
-        return 0.0, float(n.sum() / s.sum())  # one length: a rate through the origin
-    slope, overhead = np.polyfit(n, s, 1)
-    if overhead < 0:  # noise made the intercept negative: fit through the origin instead
-        slope, overhead = float(n @ s / (n @ n)), 0.0
-    if slope <= 0:
-        raise WorkbookError("The prefill times do not grow with the prompt length: measure a wider "
-                            f"range of lengths (got {list(zip(n.tolist(), s.tolist()))}).")
-    return float(overhead), float(1.0 / slope)
-
-
 def fit_costs(prefill_points: Sequence[tuple[int, float]], decode_points: Sequence[tuple[int, float]],
               kv_bytes_per_token: float, label: str = "measured") -> StepCosts:
     """:class:`StepCosts` from measurements: [(prompt tokens, prefill s)], [(batch, s per decode step)].
 
-    Prefill: a least-squares line ``overhead + n / rate`` (overhead clamped at 0).
+    Prefill: chapter 03's fit (:func:`utils.roofline.fit_prefill_time`: least squares on the relative
+    error, every term >= 0; attention's quadratic term from 4 distinct lengths up).
     Decode: the measured curve, interpolated between its points and made non-decreasing: a step over
     more rows never costs less than one over fewer, so where noise (a preempted step) says otherwise
     the points are pooled to their mean (:func:`non_decreasing`).
     """
     if not prefill_points or not decode_points:
         raise WorkbookError("fit_costs needs at least one prefill point and one decode point.")
-    overhead, rate = _fit_prefill_line(prefill_points)
+    fit = roofline.fit_prefill_time([n for n, _ in prefill_points], [t for _, t in prefill_points])
     curve = sorted((check_count(b, "decode batch"), check_number(t, "decode step seconds", "s"))
                    for b, t in decode_points)
     if len({b for b, _ in curve}) != len(curve):
         raise WorkbookError(f"decode_points has a batch size twice: {curve}.")
     kv = check_number(kv_bytes_per_token, "kv_bytes_per_token", "bytes per token")
-    return StepCosts(overhead, rate, tuple(float(b) for b, _ in curve), non_decreasing([t for _, t in curve]), kv, label)
+    return StepCosts(fit.fixed_s, fit.rate_tok_s, tuple(float(b) for b, _ in curve),
+                     non_decreasing([t for _, t in curve]), kv, label, fit.per_pair_s)
 
 
 def fit_noise(costs: StepCosts, prefill_points: Sequence[tuple[int, float]],

@@ -86,13 +86,17 @@ def decode_limit(share_of_ceiling: float, matmul_share_of_step: float, matmul_GB
 
 
 def prefill_bound(n_tokens: int, measured_s: float, compute_s: float, memory_s: float,
-                  fixed_s: float, *, explained: float = 0.7) -> str:
+                  fixed_s: float, *, attention_s: float = 0.0, attention_floor_s: float = 0.0,
+                  explained: float = 0.7) -> str:
     """What sets the time of one prefill pass of ``n_tokens``, from the roofline's two floors.
 
     ``compute_s`` = FLOPs / measured large-matmul FLOP/s, ``memory_s`` = bytes read / bandwidth,
-    ``fixed_s`` = the cost of a pass whatever its length (a linear fit's intercept). When the
-    larger floor explains at least ``explained`` of the measured time, that limit binds;
-    otherwise the time is split into the fixed cost and the matmuls' own speed.
+    ``fixed_s`` = the cost of a pass whatever its length (the fixed term of
+    :func:`utils.roofline.fit_prefill_time`), ``attention_s`` = that fit's attention term at
+    ``n_tokens`` and ``attention_floor_s`` = attention's FLOPs / FLOP/s (its part of ``compute_s``).
+    When the larger floor explains at least ``explained`` of the measured time, that limit binds;
+    otherwise the time is split into the fixed cost, attention and the weights' matmuls, each with
+    the rate it runs at against one large square matmul.
     """
     t = check_number(measured_s, "measured_s", "seconds")
     floor = max(check_number(compute_s, "compute_s", "seconds"), check_number(memory_s, "memory_s", "seconds"))
@@ -102,13 +106,16 @@ def prefill_bound(n_tokens: int, measured_s: float, compute_s: float, memory_s: 
     if floor >= explained * t:
         return f"{head}; the {which} floor explains {floor / t:.0%} of it: prefill is {which}-bound here."
     fixed = min(max(fixed_s, 0.0), t)
-    rest = t - fixed
-    why = (f"the other {rest * 1e3:,.1f} ms are within reach of the compute floor, so the fixed cost is what "
-           "the roofline leaves out" if rest * explained <= compute_s else
-           f"in the other {rest * 1e3:,.1f} ms the pass's matmuls run at only {compute_s / rest:.0%} of the rate of "
-           "one large square matmul, which accounts for the rest")
+    attn = min(max(attention_s, 0.0), t - fixed)
+    attn_part = (f"; attention, the fit's n-squared term, {attn * 1e3:,.1f} ms ({attn / t:.0%}), runs at "
+                 f"{attention_floor_s / attn:.0%} of the large-matmul rate" if attn >= 0.01 * t else "")
+    rest, matmul_floor = t - fixed - attn, max(compute_s - attention_floor_s, 0.0)
+    left_out = "the fixed cost and attention are" if attn_part else "the fixed cost is"
+    why = (f"the weights' matmuls, the other {rest * 1e3:,.1f} ms, run at {matmul_floor / rest:.0%} of the rate of "
+           "one large square matmul" + (f": near the compute floor, so {left_out} what the roofline leaves out"
+                                        if rest * explained <= matmul_floor else ""))
     return (f"{head}; neither explains it (the larger is {floor / t:.0%} of it). The fixed cost of a pass "
-            f"({fixed * 1e3:,.1f} ms) is {fixed / t:.0%} of it; {why}.")
+            f"({fixed * 1e3:,.1f} ms) is {fixed / t:.0%} of it{attn_part}; {why}.")
 
 
 def slowest_stream(rates: dict[str, float], *, unit: str = "GB/s", tie: float = TIE) -> str:
