@@ -276,3 +276,15 @@ def test_goodput_sweep_names_the_best_split_and_the_sustained_load():
     tight = sim.goodput_sweep(costs, 3, 1e-6, 1e-6, prompt_tokens=(50, 50), output_tokens=(10, 10), rows=4,
                               n_requests=20, loads=(0.1,))
     assert tight.sustained(0) == 0.0  # no request can meet an impossible target
+
+
+def test_accelerator_decode_steps_read_every_rows_kv_cache():
+    h100 = accelerator("H100")
+    kv = LLAMA3_8B.kv_bytes_per_token(2)
+    weights = LLAMA3_8B.weight_bytes_read_per_token(2)
+    c = S.costs_from_accelerator(h100, LLAMA3_8B, bytes_per_param=2, efficiency=1.0, context_tokens=1000)
+    for b in (1, 8, 64, 256):  # bandwidth-bound at 1k tokens: weights + every row's KV, read once per step
+        assert c.decode_step_s(b) == pytest.approx((weights + b * 1000 * kv) / h100.bandwidth_bytes_s)
+    assert 256 * 1000 * kv / weights > 2  # the figure: 256 rows of 1k tokens read 2.2x the weights
+    flat = S.costs_from_accelerator(h100, LLAMA3_8B, bytes_per_param=2, efficiency=1.0)
+    assert c.decode_step_s(256) > 3 * flat.decode_step_s(256) and c.prefill_s(1000) == flat.prefill_s(1000)
