@@ -379,3 +379,12 @@ def test_prefill_fit_leaves_attention_out_below_four_lengths_and_refuses_falling
     assert rl.fit_prefill_time([64, 64], [0.1, 0.1]).per_token_s == pytest.approx(0.1 / 64)
     with pytest.raises(WorkbookError, match="do not grow"):
         rl.fit_prefill_time([10, 100, 1000], [0.2, 0.1, 0.15])
+
+
+def test_one_prefill_ceiling_for_llama3_8b():
+    # every prompt token goes through all but the untied embedding and LM head; the head runs once
+    P = rl.LLAMA3_8B.prefill_params()
+    assert P == rl.LLAMA3_8B.n_params - 2 * 128_256 * 4_096
+    assert round(rl.prefill_ceiling_tok_s(989.4e12, P)) == 70_878  # the H100 figure chapters 03, 06 and 07 print
+    assert rl.LLAMA3_8B.pass_flops(1000) == pytest.approx(
+        2 * P * 1000 + rl.attention_flops(32, 4096, 1000) + 2 * 128_256 * 4_096)

@@ -57,10 +57,10 @@ def test_a_preempted_step_cannot_make_more_rows_cheaper_than_fewer():
 def test_accelerator_costs_are_the_roofline():
     h100 = accelerator("H100")
     c = S.costs_from_accelerator(h100, LLAMA3_8B, bytes_per_param=2, efficiency=0.5)
-    assert c.prefill_s(1000) == pytest.approx(2 * LLAMA3_8B.n_params * 1000 / (h100.bf16_dense_flops * 0.5))
+    assert c.prefill_s(1000) == pytest.approx(2 * LLAMA3_8B.prefill_params() * 1000 / (h100.bf16_dense_flops * 0.5))
     memory_s = LLAMA3_8B.weight_bytes_read_per_token(2) / h100.bandwidth_bytes_s / 0.5
     assert c.decode_step_s(1) == pytest.approx(memory_s) and c.decode_step_s(8) == pytest.approx(memory_s)
-    assert c.decode_step_s(2000) == pytest.approx(2 * LLAMA3_8B.n_params * 2000 / (h100.bf16_dense_flops * 0.5))
+    assert c.decode_step_s(2000) == pytest.approx(2 * LLAMA3_8B.weight_bytes_read_per_token(1) * 2000 / (h100.bf16_dense_flops * 0.5))
     assert c.kv_bytes_per_token == 131_072
 
 

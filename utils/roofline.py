@@ -75,6 +75,15 @@ class ModelShape:
         """KV-cache bytes one token adds (:func:`kv_bytes_per_token`)."""
         return kv_bytes_per_token(self.n_layers, self.n_kv_heads, self.head_dim, bytes_per_elem)
 
+    def prefill_params(self) -> float:
+        """Parameters every prompt token goes through: all but the embedding and the LM head (:func:`prefill_params`)."""
+        return prefill_params(self.weight_bytes_read_per_token(1), 1, self.vocab_size, self.hidden_size)
+
+    def pass_flops(self, n_tokens: int) -> float:
+        """FLOP of one pass over ``n_tokens`` with the last position's logits only (:func:`pass_flops`)."""
+        return pass_flops(self.prefill_params(), n_tokens, self.n_layers, self.hidden_size,
+                          self.vocab_size * self.hidden_size)
+
 
 LLAMA3_8B = ModelShape("Llama-3-8B", 8_030_261_248, 32, 8, 128, 4_096, 128_256, False, 8_192)
 """Meta-Llama-3-8B's config: 32 layers, 8 KV heads of 128, hidden 4,096, untied 128,256-token vocabulary."""
@@ -485,6 +494,17 @@ def prefill_params(weight_bytes_read_per_token: float, bytes_per_param: float, v
     if params <= head:
         raise WorkbookError(f"{params:,.0f} parameters read per token leave none beside a {head:,}-weight LM head.")
     return params - head
+
+
+def pass_flops(prompt_params: float, n_tokens: int, n_layers: int, attn_dim: int, head_params: float) -> float:
+    """FLOP of one forward pass over ``n_tokens`` that keeps the last position's logits only.
+
+    What a prefill computes, and what a decode step *without* a cache recomputes at context
+    ``n_tokens``: every token through the ``prompt_params`` (:func:`prefill_params`), causal
+    attention (:func:`attention_flops`), and the LM head (``head_params`` = vocab x hidden) once.
+    """
+    head = check_number(head_params, "head_params", "parameters")
+    return prefill_flops(prompt_params, n_tokens, n_layers, attn_dim) + 2.0 * head
 
 
 def prefill_over_decode(flops_per_s: float, bandwidth_bytes_s: float, prompt_params: float,

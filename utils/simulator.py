@@ -182,9 +182,10 @@ def costs_from_accelerator(acc: Any, shape: roofline.ModelShape, bytes_per_param
                            efficiency: float = 0.5, context_tokens: int = 0) -> StepCosts:
     """:class:`StepCosts` at an accelerator's roofline, reached at ``efficiency`` (0 < e <= 1).
 
-    Prefill: compute-bound, ``2 x params x n / (FLOP/s x e)``. A decode step over ``B`` rows, each
+    Prefill: compute-bound, ``2 x prefill params x n / (FLOP/s x e)`` (:meth:`ModelShape.prefill_params`:
+    the LM head runs on the last position only). A decode step over ``B`` rows, each
     with ``context_tokens`` in its KV cache: ``max((weight bytes + B x context x KV bytes per token)
-    / bandwidth, 2 x params x B / FLOP/s) / e`` -- both terms linear in ``B``, so the curve is exact
+    / bandwidth, 2 x params read x B / FLOP/s) / e`` -- both terms linear in ``B``, so the curve is exact
     at its kink (the crossover batch) and beyond. ``context_tokens=0`` leaves the KV reads out.
     KV bytes at ``bytes_per_param`` each.
     """
@@ -195,12 +196,12 @@ def costs_from_accelerator(acc: Any, shape: roofline.ModelShape, bytes_per_param
     kv = shape.kv_bytes_per_token(bytes_per_param)
     weights_s = shape.weight_bytes_read_per_token(bytes_per_param) / bw
     kv_s_per_row = check_count(context_tokens, "context_tokens", allow_zero=True) * kv / bw
-    compute_s_per_row = 2.0 * shape.n_params / flops
+    compute_s_per_row = 2.0 * shape.weight_bytes_read_per_token(1) / flops  # 2 FLOP per weight read
     gap = compute_s_per_row - kv_s_per_row  # how much faster compute grows with B than the KV reads
     crossover = weights_s / gap if gap > 0 else 1.0
     batches = (1.0, crossover, 2 * crossover) if crossover > 1 else (1.0, 2.0)
     steps = tuple(max(weights_s + kv_s_per_row * b, compute_s_per_row * b) / e for b in batches)
-    rate = roofline.prefill_ceiling_tok_s(flops, shape.n_params) * e
+    rate = roofline.prefill_ceiling_tok_s(flops, shape.prefill_params()) * e
     at = f", {context_tokens:,}-token contexts" if context_tokens else ""
     return StepCosts(0.0, rate, batches, steps, kv, f"{shape.name} on {acc.name} at {e:.0%} of peak{at}")
 
