@@ -104,6 +104,8 @@ def test_diagnose_follows_the_shares():
     assert diagnose(rm).startswith("TTFT-bound: 90%")
     rm = E.RequestMetrics(prompt_tokens=10, output_tokens=200, prefill_s=0.1, ttft_s=0.1, decode_s=3.9, total_s=4.0)
     assert diagnose(rm).startswith("decode-bound: 98%")
+    knobs = diagnose(rm).split("Knobs: ")[1].split(". (")[0]
+    assert "speculative decoding" in knobs and "batching" not in knobs  # batching slows one request's decode
 
 
 def test_sampled_requests_repeat_with_a_seed(lm, hand):

@@ -44,4 +44,5 @@ def diagnose(m: RequestMetrics) -> str:
         return (f"TTFT-bound: {ttft_share:.0%} of the time in prefill ({m.prompt_tokens} prompt tokens). "
                 "Knobs: shorter prompt, prefix caching, faster prefill (bf16 where it is faster, a GPU).")
     return (f"decode-bound: {1 - ttft_share:.0%} of the time in decode ({m.output_tokens} output tokens). "
-            "Knobs: fewer output tokens, smaller or quantized weights, batching, speculative decoding.")
+            "Knobs: fewer output tokens, smaller or quantized weights, speculative decoding. (Batching "
+            "raises a server's total tokens per second, not this request's: each user's decode gets slower.)")
