@@ -58,6 +58,9 @@ def test_check_fits_raises_for_an_absurd_size():
     with pytest.raises(OutOfMemoryError, match=r"the KV cache needs 1000000\.00 GB .*GB available"
                                                r".*batch size.*context length.*dtype"):
         device.check_fits(1e15, CPU, what="the KV cache")
+    with pytest.raises(OutOfMemoryError, match=r"weights alone do not fit.*smaller model") as info:
+        device.check_fits(1e15, CPU, what="an 8B model in float32", weights=True)
+    assert "batch size" not in str(info.value)  # no batch or context shrinks the weights
 
 
 def test_check_fits_rejects_a_negative_size():

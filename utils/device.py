@@ -155,16 +155,19 @@ def device_memory_bytes(device: torch.device) -> DeviceMemory:
     return _cpu_memory()
 
 
-def check_fits(bytes_needed: float, device: torch.device, what: str = "this") -> None:
+def check_fits(bytes_needed: float, device: torch.device, what: str = "this", weights: bool = False) -> None:
     """Raise :class:`~utils.errors.OutOfMemoryError` unless ``bytes_needed`` fits on ``device`` now.
 
-    Compares with the device's *available* memory (free now), not its total.
+    Compares with the device's *available* memory (free now), not its total. ``weights``: the bytes
+    are a model's weights, which no batch size or context length can shrink, and the error says so.
     """
     needed = check_number(bytes_needed, "bytes_needed", "bytes", allow_zero=True)
     mem = device_memory_bytes(device)
     if needed > mem.available_bytes:
         raise OutOfMemoryError(
             f"{what} needs {needed / GB:.2f} GB but {device} has {mem.available_bytes / GB:.2f} GB "
-            f"available (of {mem.total_bytes / GB:.2f} GB). Reduce the batch size or the "
-            "context length (the KV cache grows with both), or use a smaller dtype "
-            "(bf16 halves fp32; int8/int4 weights shrink them further).")
+            f"available (of {mem.total_bytes / GB:.2f} GB). "
+            + ("The weights alone do not fit: use a smaller dtype (bf16 halves fp32; int8/int4 shrink them "
+               "further) or a smaller model." if weights else
+               "Reduce the batch size or the context length (the KV cache grows with both), or use a smaller "
+               "dtype (bf16 halves fp32; int8/int4 weights shrink them further)."))

@@ -101,7 +101,7 @@ def random_llama(args: LlamaArgs, device: torch.device | str = "cpu", dtype: tor
     Its tokens mean nothing; its speed is real: bytes are bytes.
     """
     device, count = torch.device(device), n_params(args)
-    check_fits(count * dtype.itemsize, device, what=f"a {count / 1e9:.2f} B-parameter model in {dtype_name(dtype)}")
+    check_fits(count * dtype.itemsize, device, what=f"a {count / 1e9:.2f} B-parameter model in {dtype_name(dtype)}", weights=True)
     with torch.device("meta"):  # sizes only: memory comes with to_empty, in the final dtype
         model = Llama(args)
     model = model.to_empty(device=device).to(dtype)

@@ -296,7 +296,7 @@ def load_shape_model(name: str, device: torch.device, dtype: torch.dtype) -> tup
     with torch.device("meta"):  # sizes only: no memory until to_empty, in the final dtype
         model = LlamaForCausalLM(config).to(dtype)
     n_params = sum(p.numel() for p in model.parameters())
-    check_fits(n_params * dtype.itemsize, device, what=f"{name} ({n_params / 1e9:.2f} B parameters in {dtype_name(dtype)})")
+    check_fits(n_params * dtype.itemsize, device, what=f"{name} ({n_params / 1e9:.2f} B parameters in {dtype_name(dtype)})", weights=True)
     model = model.to_empty(device=device)
     model.model.rotary_emb = LlamaRotaryEmbedding(config).to(device)  # a computed buffer, not a weight
     if config.tie_word_embeddings:
