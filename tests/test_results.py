@@ -46,6 +46,15 @@ def test_record_appends_one_json_line_per_figure_when_the_runner_asks(monkeypatc
     assert lines[1]["predicted"] is None and lines[1]["ratio"] is None
 
 
+def test_every_bandwidth_probe_is_published_under_one_name(monkeypatch):
+    from utils.hardware import BandwidthProbe
+    monkeypatch.delenv(results.ENV_FILE, raising=False)
+    probe = BandwidthProbe((29.2e9, 51.3e9, 40.0e9))
+    assert results.record_bandwidth(probe) == 51.3e9  # the reading the ceilings use, in B/s
+    kept = results.RECORDED[-1]
+    assert (kept["name"], kept["value"], kept["context"]) == ("bandwidth_gb_s", 51.3, {"probe": "best of 3"})
+
+
 @pytest.mark.parametrize("name, value, predicted", [
     ("Decode speed", 1.0, None), ("decode_tok_s", float("nan"), None), ("decode_tok_s", "fast", None),
     ("decode_tok_s", 1.0, float("inf")), ("decode_tok_s", True, None)])

@@ -87,9 +87,11 @@ def measure_bandwidth(device: str | torch.device | None = None, size_mb: float |
 class BandwidthProbe:
     """Several bandwidth readings (B/s) of one device, and which one the ceilings use.
 
-    A probe can only under-read (another process, a cold page, a frequency dip), so the
-    ceiling uses the **best** reading; the spread between readings says how far a share
-    of that ceiling can be trusted.
+    Within one probe a reading under-reads when something interrupts it (another process, a
+    cold page, a frequency dip), so the ceiling uses the **best** reading; the spread between
+    readings says how far a share of that ceiling can be trusted. Between notebooks the best
+    reading itself can move (a virtual machine's memory, the clock): each notebook publishes
+    the one it used (:func:`utils.results.record_bandwidth`) and a report gives the range.
     """
 
     readings: tuple[float, ...]

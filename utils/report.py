@@ -292,7 +292,7 @@ def _lowest(figs: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 HEADLINES: list[tuple[str, str, tuple[str, ...], Callable[[list[dict[str, Any]]], dict[str, Any] | None]]] = [
     ("bandwidth GB/s", "bandwidth_gb_s", (), _best),
-    ("bandwidth GB/s, lowest probe", "bandwidth_gb_s", (), _lowest),  # the probe is noisy: show how much
+    ("bandwidth GB/s, lowest notebook", "bandwidth_gb_s", (), _lowest),  # each notebook publishes its best: the range over a run
     ("matmul GFLOP/s", "matmul_gflop_s", ("03_prefill",), _first),
     ("prefill tok/s", "prefill_tok_s", ("03_prefill",), _by("prompt_tokens", True)),
     ("decode tok/s", "decode_tok_s", ("04_decode", "00_setup"), _first),

@@ -97,6 +97,18 @@ def record(name: str, value: Any, unit: str = "", predicted: Any = None, **conte
     return value
 
 
+def record_bandwidth(probe: Any) -> float:
+    """Publish the bandwidth reading a notebook's ceilings use (a :class:`~utils.hardware.BandwidthProbe`);
+    returns it (B/s).
+
+    Every notebook that probes publishes its best reading under one name, ``bandwidth_gb_s``, so a
+    report lists the best and the lowest over a whole run: how far the machine's bandwidth moved
+    between notebooks, and so how far shares of a ceiling from different notebooks compare.
+    """
+    record("bandwidth_gb_s", probe.best / 1e9, unit="GB/s", probe=f"best of {len(probe.readings)}")
+    return float(probe.best)
+
+
 def record_check(name: str, outcome: str, measured: float, bar: float, predicted: float,
                  spread: float) -> None:
     """Publish one timing check's verdict (:mod:`utils.decide` calls it): passed, failed or undecided."""
