@@ -159,15 +159,14 @@ def test_the_simulation_is_deterministic():
 # ----------------------------------------------------------------------------- goodput and the best split
 
 
-def test_goodput_counts_only_requests_that_met_both_targets():
+def test_attainment_counts_only_requests_that_met_both_targets():
     r = Request.of_length(0, 0.0, 10, 3)
     results = [Sequence(r, [0] * 3, [0.5, 0.6, 0.7], 0.0),  # meets both
                Sequence(r, [0] * 3, [0.9, 0.95, 1.0], 0.0),  # meets both: TTFT exactly at the target
                Sequence(r, [0] * 3, [1.5, 1.6, 1.7], 0.0),  # TTFT too long
                Sequence(r, [0] * 3, [0.5, 1.0, 1.5], 0.0)]  # TPOT 0.5 too long
-    g = S.goodput(results, ttft_slo_s=0.9, tpot_slo_s=0.1, duration_s=2.0)
-    assert (g.met, g.total, g.attainment, g.rate_per_s) == (2, 4, 0.5, 1.0)
-    assert S.goodput(results, 0.9, 0.1).duration_s == pytest.approx(1.7)  # first arrival to last token
+    a = S.attainment(results, ttft_slo_s=0.9, tpot_slo_s=0.1)
+    assert (a.met, a.total, a.share) == (2, 4, 0.5)
 
 
 def interference_trace():
@@ -178,15 +177,15 @@ def interference_trace():
 def test_best_split_is_disaggregated_when_prefill_stalls_decode():
     cmp = S.best_split(interference_trace(), costs(), 2, ttft_slo_s=2.0, tpot_slo_s=0.07)
     assert [s.label for s in cmp.splits] == ["2 colocated", "1 prefill + 1 decode"]
-    assert cmp.best.label == "1 prefill + 1 decode" and cmp.best.goodput.attainment == 1
-    assert cmp.colocated.goodput.met < cmp.colocated.goodput.total
+    assert cmp.best.label == "1 prefill + 1 decode" and cmp.best.attainment.share == 1
+    assert cmp.colocated.attainment.met < cmp.colocated.attainment.total
 
 
 def test_best_split_is_colocated_when_the_link_is_slow():
     cmp = S.best_split(interference_trace(), costs(), 3, ttft_slo_s=2.0, tpot_slo_s=0.07, token_budget=10,
                        link_latency_s=5.0)  # the second token waits 5 s: TPOT fails everywhere disaggregated
-    assert cmp.best is cmp.colocated and all(s.goodput.met == 0 for s in cmp.splits[1:])
-    assert len(cmp.splits) == 3 and cmp.colocated.goodput.attainment == 1
+    assert cmp.best is cmp.colocated and all(s.attainment.met == 0 for s in cmp.splits[1:])
+    assert len(cmp.splits) == 3 and cmp.colocated.attainment.share == 1
 
 
 # ----------------------------------------------------------------------------- the simulator against served runs
@@ -246,8 +245,8 @@ def test_loop_factor_needs_a_run_and_scaled_costs_scale_every_step():
     lambda: S.simulate_disaggregated([req(0, 0, 5, 5)], costs(), 1, 1, link_latency_s=float("nan")),
     lambda: Request.of_length(0, 0.0, 0, 5),
     lambda: Request.of_length(0, -1.0, 5, 5),
-    lambda: S.goodput([], 1, 1),
-    lambda: S.goodput(S.simulate_colocated([req(0, 0, 5, 5)], costs()), 0, 1),
+    lambda: S.attainment([], 1, 1),
+    lambda: S.attainment(S.simulate_colocated([req(0, 0, 5, 5)], costs()), 0, 1),
     lambda: S.best_split([req(0, 0, 5, 5)], costs(), 1, 1, 1),
     lambda: S.fit_costs([], [(1, 0.1)], 1),
     lambda: S.fit_costs([(10, 0.2), (100, 0.1)], [(1, 0.1)], 1),
@@ -270,12 +269,23 @@ def test_goodput_sweep_names_the_best_split_and_the_sustained_load():
     sweep = sim.goodput_sweep(costs, 3, 10.0, 10.0, prompt_tokens=(50, 50), output_tokens=(10, 10), rows=4,
                               n_requests=20, loads=(0.1, 0.2))
     assert sweep.rates == pytest.approx([0.1 * 3 * one, 0.2 * 3 * one])
-    assert [cmp.colocated.goodput.attainment for cmp in sweep.table] == [1.0, 1.0]  # loose targets: all on time
-    assert sweep.sustained(0) == pytest.approx(sweep.rates[-1])
+    assert [cmp.colocated.attainment.share for cmp in sweep.table] == [1.0, 1.0]  # loose targets: all on time
+    assert sweep.goodput(0) == pytest.approx(sweep.rates[-1])  # a lower bound: on time at every load tried
     assert sweep.best_disaggregated() in (1, 2) and sweep.label(0) == "3 colocated"
     tight = sim.goodput_sweep(costs, 3, 1e-6, 1e-6, prompt_tokens=(50, 50), output_tokens=(10, 10), rows=4,
                               n_requests=20, loads=(0.1,))
-    assert tight.sustained(0) == 0.0  # no request can meet an impossible target
+    assert tight.goodput(0) == 0.0  # no request can meet an impossible target
+
+
+def test_goodput_is_the_load_where_attainment_falls_through_the_target():
+    def at(shares):
+        return S.Split(0, 2, S.Attainment(round(shares * 100), 100))
+    table = [S.SplitComparison([at(a), at(b)]) for a, b in ((1.0, 1.0), (0.95, 0.8), (0.5, 0.2))]
+    sweep = S.Sweep([1.0, 2.0, 3.0], table)
+    assert sweep.goodput(0) == pytest.approx(2.0 + (0.95 - 0.9) / (0.95 - 0.5))  # between 2 and 3 req/s
+    assert sweep.goodput(1) == pytest.approx(1.0 + (1.0 - 0.9) / (1.0 - 0.8))  # between 1 and 2
+    assert sweep.goodput(1, share=0.5) == pytest.approx(2.0 + (0.8 - 0.5) / (0.8 - 0.2))
+    assert sweep.best_disaggregated() == 1 and sweep.attainments(0) == [1.0, 0.95, 0.5]
 
 
 def test_accelerator_decode_steps_read_every_rows_kv_cache():

@@ -172,17 +172,15 @@ def test_ridge_from_curve_finds_the_knee_or_says_beyond():
         ridge_from_curve([2, 4], [0.1, 0.2])
 
 
-def test_goodput_crossing_names_the_first_load_where_one_wins_or_says_it_never_does():
-    loads = [1.0, 2.0, 3.0, 4.0]
-    said = V.goodput_crossing(loads, [1.0, 1.9, 2.0, 1.5], [0.9, 2.0, 2.7, 3.0], "4 colocated", "2 prefill + 2 decode")
-    assert said.startswith("2 prefill + 2 decode beats 4 colocated from 3 req/s offered (goodput 2.7 vs 2 req/s)")
-    assert "still ahead at 4 (3 vs 1.5)" in said and "below that" in said
-    never = V.goodput_crossing(loads, [1.0, 2.0, 3.0, 4.0], [0.5, 1.9, 3.1, 1.0], "A", "B")
-    assert never.startswith("B never beats A by more than 10%") and "closest at 3 req/s: goodput 3.1 vs 3" in never
-    assert "lowest load tried" in V.goodput_crossing([1.0], [0.0], [1.0], "A", "B")
-    with pytest.raises(ValueError):
-        V.goodput_crossing(loads, [1.0], [1.0], "A", "B")
-
+def test_best_goodput_names_the_split_that_sustains_the_most_load_or_a_tie():
+    said = V.best_goodput({"4 colocated": 0.18, "2 prefill + 2 decode": 0.96, "1 prefill + 3 decode": 0.5}, 0.1, 2.0)
+    assert said == ("2 prefill + 2 decode has the most goodput: 0.96 req/s with 90% of requests on time, "
+                    "5.3x 4 colocated's 0.18 req/s.")
+    assert "no split beats 4 colocated" in V.best_goodput({"4 colocated": 1.0, "B": 0.5}, 0.1, 2.0)
+    assert "a tie at these loads" in V.best_goodput({"4 colocated": 1.0, "B": 1.02}, 0.1, 2.0)
+    assert "at least 2 req/s" in V.best_goodput({"A": 1.0, "B": 2.0}, 0.1, 2.0)
+    assert "A misses it even at 0.1" in V.best_goodput({"A": 0.0, "B": 1.0}, 0.1, 2.0)
+    assert V.best_goodput({"A": 0.0, "B": 0.0}, 0.1, 2.0).startswith("none keeps 90%")
 
 def test_decide_near_judges_both_sides_of_the_band(capsys):
     from utils.decide import PASSED, UNDECIDED, TimingCheckFailed

@@ -23,17 +23,19 @@ machines of one pool idling while the other is the bottleneck. Splitwise (Patel 
 2024) and DistServe (Zhong et al. 2024) showed it pays when both a time-to-first-token
 (TTFT) and a time-per-output-token (TPOT) target must hold.
 
-**Goodput** (DistServe's measure, :func:`goodput`) counts only requests that met both
-targets: ``TTFT <= ttft_slo_s`` and ``TPOT <= tpot_slo_s``, with TPOT the mean time
-between a request's tokens. Throughput rewards a server that makes tokens too late to
-be useful; goodput does not. :func:`best_split` tries every split of ``N`` machines into
-prefill and decode pools against ``N`` colocated ones.
+A request is on time when it met both targets: ``TTFT <= ttft_slo_s`` and ``TPOT <= tpot_slo_s``,
+with TPOT the mean time between its tokens; a run's **attainment** is the share on time
+(:func:`attainment`). **Goodput** (DistServe's measure, :meth:`Sweep.goodput`) is the highest
+offered load at which a target share (90%) of requests is on time. Throughput rewards a server
+that makes tokens too late to be useful; goodput does not. :func:`best_split` tries every split
+of ``N`` machines into prefill and decode pools against ``N`` colocated ones at one load;
+:func:`goodput_sweep` at several.
 
-The costs (:class:`StepCosts`) come from measurements (:func:`fit_costs`: prefill as a
-line ``overhead + n / rate``, decode interpolated over the measured batch curve, made non-decreasing) or from
-an accelerator's datasheet (:func:`costs_from_accelerator`: roofline times). A decode
-step's cost depends on the batch only: its growth with the context (attention, KV reads)
-is left out, and so is any contention on the link. Times are seconds; the simulation is
+The costs (:class:`StepCosts`) come from measurements (:func:`fit_costs`: chapter 03's prefill
+fit, decode interpolated over the measured batch curve, made non-decreasing) or from an
+accelerator's datasheet (:func:`costs_from_accelerator`: roofline times, each row's KV reads
+at a given context included). A measured decode step's cost depends on the batch only: its
+growth with the context is left out, and so is any contention on the link. Times are seconds; the simulation is
 deterministic.
 """
 
@@ -315,22 +317,20 @@ def simulate_disaggregated(requests: Sequence[Request], costs: StepCosts, prefil
 
 
 @dataclass(frozen=True)
-class Goodput:
-    """How many requests met both targets, of how many, over how long."""
+class Attainment:
+    """How many requests of one run met both targets (TTFT and TPOT), of how many: its SLO attainment.
+
+    A run's attainment is not its goodput: **goodput** is a rate, the highest offered load at which
+    a target share of requests still meets both (DistServe's measure, :meth:`Sweep.goodput`).
+    """
 
     met: int
     total: int
-    duration_s: float
 
     @property
-    def attainment(self) -> float:
+    def share(self) -> float:
         """Share of the requests that met both targets."""
         return self.met / self.total
-
-    @property
-    def rate_per_s(self) -> float:
-        """Goodput: requests that met both targets, per second."""
-        return self.met / self.duration_s
 
 
 def meets_slo(result: Seq, ttft_slo_s: float, tpot_slo_s: float) -> bool:
@@ -338,19 +338,12 @@ def meets_slo(result: Seq, ttft_slo_s: float, tpot_slo_s: float) -> bool:
     return result.ttft_s <= ttft_slo_s and result.tpot_s <= tpot_slo_s
 
 
-def goodput(results: Sequence[Seq], ttft_slo_s: float, tpot_slo_s: float,
-            duration_s: float | None = None) -> Goodput:
-    """Requests per second that met both targets (and the share that did).
-
-    ``duration_s`` defaults to the span from the first arrival to the last token.
-    """
+def attainment(results: Sequence[Seq], ttft_slo_s: float, tpot_slo_s: float) -> Attainment:
+    """The requests of one run that met both targets (:class:`Attainment`)."""
     if not results:
-        raise WorkbookError("goodput needs at least one result.")
+        raise WorkbookError("attainment needs at least one result.")
     ttft, tpot = check_number(ttft_slo_s, "ttft_slo_s", "s"), check_number(tpot_slo_s, "tpot_slo_s", "s")
-    if duration_s is None:
-        duration_s = max(r.finish_s for r in results) - min(r.request.arrival_s for r in results)
-    span = check_number(duration_s, "duration_s", "s")
-    return Goodput(sum(meets_slo(r, ttft, tpot) for r in results), len(results), span)
+    return Attainment(sum(meets_slo(r, ttft, tpot) for r in results), len(results))
 
 
 @dataclass(frozen=True)
@@ -359,7 +352,7 @@ class Split:
 
     prefill_machines: int
     decode_machines: int
-    goodput: Goodput
+    attainment: Attainment
 
     @property
     def label(self) -> str:
@@ -370,7 +363,7 @@ class Split:
 
 @dataclass(frozen=True)
 class SplitComparison:
-    """Every split of ``N`` machines, the colocated ``N`` first, and the best by goodput."""
+    """Every split of ``N`` machines at one load, the colocated ``N`` first, and the best by attainment."""
 
     splits: list[Split]
 
@@ -380,22 +373,22 @@ class SplitComparison:
 
     @property
     def best(self) -> Split:
-        """The highest goodput (a tie goes to the earlier: colocated, then fewer prefill machines)."""
-        return max(self.splits, key=lambda s: (s.goodput.rate_per_s, -self.splits.index(s)))
+        """The most requests on time (a tie goes to the earlier: colocated, then fewer prefill machines)."""
+        return max(self.splits, key=lambda s: (s.attainment.met, -self.splits.index(s)))
 
 
 def best_split(requests: Sequence[Request], costs: StepCosts, n_machines: int, ttft_slo_s: float,
                tpot_slo_s: float, rows: int = 16, token_budget: int | None = None, link_bytes_s: float = 50e9,
                link_latency_s: float = 0.0) -> SplitComparison:
-    """Goodput of ``n_machines`` colocated (with ``token_budget``) and of every prefill/decode split of them."""
+    """Attainment of ``n_machines`` colocated (with ``token_budget``) and of every prefill/decode split of them."""
     n = check_count(n_machines, "n_machines")
     if n < 2:
         raise WorkbookError(f"Splitting needs at least 2 machines (one per pool), got {n}.")
     one = simulate_colocated(requests, costs, n, rows, token_budget)
-    splits = [Split(0, n, goodput(one, ttft_slo_s, tpot_slo_s))]
+    splits = [Split(0, n, attainment(one, ttft_slo_s, tpot_slo_s))]
     for p in range(1, n):
         res = simulate_disaggregated(requests, costs, p, n - p, rows, link_bytes_s, link_latency_s)
-        splits.append(Split(p, n - p, goodput(res, ttft_slo_s, tpot_slo_s)))
+        splits.append(Split(p, n - p, attainment(res, ttft_slo_s, tpot_slo_s)))
     return SplitComparison(splits)
 
 
@@ -409,23 +402,35 @@ def capacity_per_machine(costs: StepCosts, rows: int, prompt_tokens: tuple[int, 
 
 @dataclass(frozen=True)
 class Sweep:
-    """Every split of ``N`` machines at each offered load (requests/s)."""
+    """Every split of ``N`` machines at each offered load (requests/s, rising)."""
 
     rates: list[float]
     table: list[SplitComparison]
 
-    def goodputs(self, k: int) -> list[float]:
-        """Goodput (requests/s on time) of split ``k`` (0 = colocated) at each load."""
-        return [cmp.splits[k].goodput.rate_per_s for cmp in self.table]
+    def attainments(self, k: int) -> list[float]:
+        """Share of requests on time for split ``k`` (0 = colocated) at each load."""
+        return [cmp.splits[k].attainment.share for cmp in self.table]
 
-    def best_disaggregated(self) -> int:
-        """The index of the split (not colocated) with the most goodput summed over the loads."""
-        return max(range(1, len(self.table[0].splits)), key=lambda k: sum(self.goodputs(k)))
+    def goodput(self, k: int, share: float = 0.9) -> float:
+        """Split ``k``'s goodput: the highest offered load at which ``share`` of requests meet both targets.
 
-    def sustained(self, k: int, share: float = 0.9) -> float:
-        """Highest offered load at which at least ``share`` of requests met both targets (DistServe's measure)."""
-        ok = [r for r, cmp in zip(self.rates, self.table) if cmp.splits[k].goodput.attainment >= share]
-        return max(ok, default=0.0)
+        DistServe's measure. Between two loads tried, where the attainment falls through ``share``, the
+        rate is interpolated linearly; 0.0 when even the lowest load misses it, the highest load tried
+        when none does (a lower bound then).
+        """
+        target = check_number(share, "share")
+        a = self.attainments(k)
+        if a[0] < target:
+            return 0.0
+        i = next((i for i, x in enumerate(a) if x < target), None)
+        if i is None:
+            return self.rates[-1]
+        r0, r1, a0, a1 = self.rates[i - 1], self.rates[i], a[i - 1], a[i]
+        return r0 + (a0 - target) / (a0 - a1) * (r1 - r0)
+
+    def best_disaggregated(self, share: float = 0.9) -> int:
+        """The index of the split (not colocated) with the most goodput (ties: the most attainment summed)."""
+        return max(range(1, len(self.table[0].splits)), key=lambda k: (self.goodput(k, share), sum(self.attainments(k))))
 
     def label(self, k: int) -> str:
         return self.table[0].splits[k].label
@@ -444,16 +449,17 @@ def goodput_sweep(costs: StepCosts, n_machines: int, ttft_slo_s: float, tpot_slo
     return Sweep(rates, table)
 
 
-def plot_goodput(sweep: Sweep, title: str) -> None:
-    """Goodput against offered load, one line per split; the diagonal is every request on time."""
-    fig, ax = new_axes(title, "offered load (requests/s)", "goodput (requests/s meeting both targets)")
+def plot_attainment(sweep: Sweep, title: str, share: float = 0.9) -> None:
+    """Share of requests on time against offered load, one line per split; where each crosses ``share``
+    is its goodput (DistServe's figure)."""
+    fig, ax = new_axes(title, "offered load (requests/s)", "requests meeting both targets (share)")
     for k in range(len(sweep.table[0].splits)):
         if k == 0:
-            plot_measured(ax, sweep.rates, sweep.goodputs(0), label=f"{sweep.label(0)} (chunked prefill)",
+            plot_measured(ax, sweep.rates, sweep.attainments(0), label=f"{sweep.label(0)} (chunked prefill)",
                           color=COLORS["prefill"])
         else:
-            ax.plot(sweep.rates, sweep.goodputs(k), "s-", alpha=0.7, label=sweep.label(k))
-    plot_predicted(ax, sweep.rates, sweep.rates, label="every request on time")
+            ax.plot(sweep.rates, sweep.attainments(k), "s-", alpha=0.7, label=sweep.label(k))
+    ax.axhline(share, ls=":", color=COLORS["ceiling"], label=f"target: {share:.0%} on time")
     finish(fig)
 
 
