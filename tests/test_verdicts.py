@@ -193,3 +193,16 @@ def test_decide_near_judges_both_sides_of_the_band(capsys):
     assert V.decide_near("noisy", [0.5, 1.0, 3.0]) == (UNDECIDED, UNDECIDED)
     with pytest.raises(ValueError, match="3 or more"):
         V.decide_near("two", [1.0, 1.0])
+
+
+def test_costlier_at_fewer_names_a_smaller_batch_that_costs_more_beyond_the_noise():
+    from utils.timing import Timing
+    steady = lambda ms: Timing((ms * 0.99e-3, ms * 1e-3, ms * 1e-3, ms * 1.01e-3))  # ~1% spread
+    notes = V.costlier_at_fewer([1, 2, 4], [steady(61.1), steady(99.0), steady(83.2)])  # the EPYC run
+    assert notes == ["a batch of 2 costs 19% more than a batch of 4 here, beyond their spreads: a slower kernel for "
+                     "that shape on this machine (the cost models use the non-decreasing curve)"]
+    assert V.costlier_at_fewer([1, 2, 4], [steady(37.3), steady(38.7), steady(61.7)]) == []  # rising: nothing to say
+    noisy = lambda ms: Timing((ms * 0.7e-3, ms * 1e-3, ms * 1e-3, ms * 1.3e-3))
+    assert V.costlier_at_fewer([2, 4], [noisy(99.0), noisy(83.2)]) == []  # within the noise
+    said = V.costlier_at_fewer([2, 4], [steady(1.65), steady(1.38)], what="pass over {n} positions")
+    assert said[0].startswith("a pass over 2 positions costs 20% more than a pass over 4 positions here")

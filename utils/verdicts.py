@@ -275,6 +275,24 @@ def ridge_from_curve(batches: Sequence[int], step_s: Sequence[float], *, rise: f
     return t1 / per_seq[len(per_seq) // 2]
 
 
+def costlier_at_fewer(sizes: Sequence[int], timings: Sequence[Timing], what: str = "batch of {n}") -> list[str]:
+    """Where a pass over fewer rows (or positions) costs more than one over more, beyond both spreads.
+
+    More rows never need less work, so such a point is a slower kernel for that shape on this
+    machine (e.g. a matmul of 2 rows dispatched to a worse kernel than one of 4). One sentence per
+    pair of neighbours; the cost models keep it out (:func:`utils.simulator.non_decreasing`).
+    ``timings``: :class:`~utils.timing.Timing` per size (median and relative spread); ``what`` names
+    one size (``{n}``), e.g. ``"pass over {n} positions"``.
+    """
+    notes = []
+    for (a, ta), (b, tb) in zip(zip(sizes, timings), list(zip(sizes, timings))[1:]):
+        excess = ta.median / tb.median - 1
+        if excess > 2 * math.hypot(ta.relative_spread, tb.relative_spread):
+            notes.append(f"a {what.format(n=a)} costs {excess:.0%} more than a {what.format(n=b)} here, beyond their spreads: "
+                         f"a slower kernel for that shape on this machine (the cost models use the non-decreasing curve)")
+    return notes
+
+
 def batch_curve_verdict(batches: Sequence[int], step_s: Sequence[float], predicted_ridge: float) -> str:
     """The sentence on a batch curve: how flat the step stayed and where it bent, against the roofline."""
     measured = ridge_from_curve(batches, step_s)
