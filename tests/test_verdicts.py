@@ -170,6 +170,8 @@ def test_ridge_from_curve_finds_the_knee_or_says_beyond():
     assert "bent at batch ~8" in batch_curve_verdict(batches, step, 8.0)
     with pytest.raises(ValueError):
         ridge_from_curve([2, 4], [0.1, 0.2])
+    # the EPYC curve: batch 2 dearer than batch 4; pooled, it no longer drags the knee to ~1.2
+    assert ridge_from_curve([1, 2, 4, 8], [0.0611, 0.0990, 0.0832, 0.120]) == pytest.approx(0.0611 / (0.120 / 8))
 
 
 def test_best_goodput_names_the_split_that_sustains_the_most_load_or_a_tie():

@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .decide import decide
+from .decide import decide, ratio_spread
 from .errors import check_number
-from .simulator import Validation
+from .simulator import Validation, non_decreasing
 from .timing import Timing
 
 TIE = 0.10
@@ -264,8 +264,11 @@ def ridge_from_curve(batches: Sequence[int], step_s: Sequence[float], *, rise: f
     ``t1`` is the batch-1 step; ``c`` (seconds per sequence once compute dominates) is the median
     of ``t(B) / B`` over the points whose step is more than ``rise`` x ``t1``. The knee is
     ``t1 / c``. None when no point rose that far: the ridge lies beyond the largest batch measured.
+    The curve is made non-decreasing first (:func:`utils.simulator.non_decreasing`): a batch that costs
+    more than a larger one (a slower kernel for that shape, :func:`costlier_at_fewer`) moves no knee.
     """
     pairs = sorted(zip(batches, (check_number(t, "step_s", "seconds") for t in step_s)))
+    pairs = list(zip([b for b, _ in pairs], non_decreasing([t for _, t in pairs])))
     if len(pairs) < 2 or pairs[0][0] != 1:
         raise ValueError("ridge_from_curve needs the batch-1 step and at least one larger batch.")
     t1 = pairs[0][1]
@@ -287,7 +290,7 @@ def costlier_at_fewer(sizes: Sequence[int], timings: Sequence[Timing], what: str
     notes = []
     for (a, ta), (b, tb) in zip(zip(sizes, timings), list(zip(sizes, timings))[1:]):
         excess = ta.median / tb.median - 1
-        if excess > 2 * math.hypot(ta.relative_spread, tb.relative_spread):
+        if excess > 2 * ratio_spread(ta, tb):
             notes.append(f"a {what.format(n=a)} costs {excess:.0%} more than a {what.format(n=b)} here, beyond their spreads: "
                          f"a slower kernel for that shape on this machine (the cost models use the non-decreasing curve)")
     return notes
