@@ -271,21 +271,23 @@ def test_goodput_sweep_names_the_best_split_and_the_sustained_load():
     assert sweep.rates == pytest.approx([0.1 * 3 * one, 0.2 * 3 * one])
     assert [cmp.colocated.attainment.share for cmp in sweep.table] == [1.0, 1.0]  # loose targets: all on time
     assert sweep.goodput(0) == pytest.approx(sweep.rates[-1])  # a lower bound: on time at every load tried
-    assert sweep.best_disaggregated() in (1, 2) and sweep.label(0) == "3 colocated"
+    assert sweep.label(0) == "3 colocated"
+    assert list(sweep.goodputs()) == ["3 colocated", "1 prefill + 2 decode", "2 prefill + 1 decode"]
     tight = sim.goodput_sweep(costs, 3, 1e-6, 1e-6, prompt_tokens=(50, 50), output_tokens=(10, 10), rows=4,
                               n_requests=20, loads=(0.1,))
     assert tight.goodput(0) == 0.0  # no request can meet an impossible target
 
 
 def test_goodput_is_the_load_where_attainment_falls_through_the_target():
-    def at(shares):
-        return S.Split(0, 2, S.Attainment(round(shares * 100), 100))
-    table = [S.SplitComparison([at(a), at(b)]) for a, b in ((1.0, 1.0), (0.95, 0.8), (0.5, 0.2))]
+    def at(prefill, shares):
+        return S.Split(prefill, 2 - prefill, S.Attainment(round(shares * 100), 100))
+    table = [S.SplitComparison([at(0, a), at(1, b)]) for a, b in ((1.0, 1.0), (0.95, 0.8), (0.5, 0.2))]
     sweep = S.Sweep([1.0, 2.0, 3.0], table)
     assert sweep.goodput(0) == pytest.approx(2.0 + (0.95 - 0.9) / (0.95 - 0.5))  # between 2 and 3 req/s
     assert sweep.goodput(1) == pytest.approx(1.0 + (1.0 - 0.9) / (1.0 - 0.8))  # between 1 and 2
     assert sweep.goodput(1, share=0.5) == pytest.approx(2.0 + (0.8 - 0.5) / (0.8 - 0.2))
-    assert sweep.best_disaggregated() == 1 and sweep.attainments(0) == [1.0, 0.95, 0.5]
+    assert sweep.attainments(0) == [1.0, 0.95, 0.5]
+    assert sweep.goodputs() == pytest.approx({"2 colocated": sweep.goodput(0), "1 prefill + 1 decode": sweep.goodput(1)})
 
 
 def test_accelerator_decode_steps_read_every_rows_kv_cache():

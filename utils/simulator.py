@@ -428,9 +428,9 @@ class Sweep:
         r0, r1, a0, a1 = self.rates[i - 1], self.rates[i], a[i - 1], a[i]
         return r0 + (a0 - target) / (a0 - a1) * (r1 - r0)
 
-    def best_disaggregated(self, share: float = 0.9) -> int:
-        """The index of the split (not colocated) with the most goodput (ties: the most attainment summed)."""
-        return max(range(1, len(self.table[0].splits)), key=lambda k: (self.goodput(k, share), sum(self.attainments(k))))
+    def goodputs(self, share: float = 0.9) -> dict[str, float]:
+        """Every split's goodput (:meth:`goodput`), by label, colocated first."""
+        return {self.label(k): self.goodput(k, share) for k in range(len(self.table[0].splits))}
 
     def label(self, k: int) -> str:
         return self.table[0].splits[k].label
