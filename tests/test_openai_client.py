@@ -10,6 +10,7 @@ Timing asserts have wide upper margins: the sleeps are the server's, not CPU wor
 from __future__ import annotations
 
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -21,8 +22,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from utils.errors import WorkbookError
-from utils.load_generator import FAILED, NOT_RUN, OK, run_arrivals, run_concurrent
-from utils.openai_client import Client, ServerError, StreamResult, meter_line
+from utils.load_generator import (FAILED, NOT_RUN, OK, run_arrivals, run_concurrent, sweep_concurrency,
+                                  weight_read_gain)
+from utils.openai_client import Client, ServerError, StreamResult, measure_speed, meter_line
 from utils.requests import Request, synthetic_trace
 
 PIECES = ("The", " capital", " of", " France", " is", " Paris")
@@ -39,6 +41,7 @@ class Plan:
     usage: bool = True
     chunked: bool = False  # HTTP/1.1 chunked transfer encoding, as uvicorn-based servers send
     api_key: str | None = None  # required key, if any
+    timings: float = 0.0  # > 0: the last chunk carries llama.cpp's "timings" with this predicted_per_second
 
 
 class FakeServer(ThreadingHTTPServer):
@@ -112,7 +115,8 @@ class FakeHandler(BaseHTTPRequestHandler):
                 self._write(b'data: {"choices": [{"text": " oops"\n\n', plan)
         if plan.usage:
             usage = {"prompt_tokens": 17, "completion_tokens": len(pieces), "total_tokens": 17 + len(pieces)}
-            self._event({"choices": [], "usage": usage}, plan)
+            extra = {"timings": {"predicted_per_second": plan.timings}} if plan.timings else {}
+            self._event({"choices": [], "usage": usage, **extra}, plan)
         self._end(plan)
 
     def _event(self, chunk: dict, plan: Plan) -> None:
@@ -398,3 +402,34 @@ def test_a_failing_request_is_counted_not_raised(serve):
     down = Client(f"http://127.0.0.1:{free_port()}/v1", model="m")
     refused = run_concurrent(trace(2), 2, down)
     assert refused.summary.failures == {"refused": 2} and "connection refused" in refused.summary.first_error
+
+
+def test_measure_speed_warms_up_repeats_and_reads_the_servers_own_timer(serve):
+    server = serve(Plan(gap=0.02, timings=77.5))
+    speed = measure_speed(client_for(server), [1, 2, 3], 6, repeats=3, ignore_eos=True)
+    assert len(speed.results) == 3 and len(server.seen) == 4  # one untimed warm-up
+    assert all(body["ignore_eos"] is True for _, body, _ in server.seen)
+    assert speed.server_decode_tok_s == 77.5
+    assert 20 < speed.decode_tok_s <= 1 / 0.02 * 1.05, speed.decode_samples  # 5 gaps of >= 20 ms
+    assert 0 <= speed.relative_spread < 1 and speed.text == "The capital of France is Paris"
+    plain = measure_speed(client_for(serve(Plan())), [1, 2, 3], 4, repeats=2)
+    assert math.isnan(plain.server_decode_tok_s)  # a server that does not time itself
+
+
+def test_sweep_concurrency_runs_every_level_in_rounds(serve):
+    server = serve(Plan(gap=0.01))
+    runs = sweep_concurrency(trace(4), [1, 2], client_for(server), repeats=2)
+    assert list(runs) == [1, 2] and all(len(rs) == 2 for rs in runs.values())
+    assert all(r.summary.ok == 4 for rs in runs.values() for r in rs)
+    assert len(server.seen) == 2 * 2 * 4
+    with pytest.raises(WorkbookError):
+        sweep_concurrency(trace(2), [0], client_for(server))
+
+
+def test_weight_read_gain_is_the_shared_weight_read_prediction():
+    assert weight_read_gain(0.2, 0.01, 32, 1) == pytest.approx(1.0)
+    # c requests: c prefills back to back, then (n - 1) shared steps, against c whole requests alone
+    assert weight_read_gain(0.2, 0.01, 32, 4) == pytest.approx(4 * (0.2 + 31 * 0.01) / (4 * 0.2 + 31 * 0.01))
+    assert weight_read_gain(1e-9, 0.01, 32, 4) == pytest.approx(4.0, rel=1e-6)  # decode only: c times
+    with pytest.raises(WorkbookError):
+        weight_read_gain(0.2, -0.01, 32, 4)

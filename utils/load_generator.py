@@ -7,6 +7,7 @@ to serve many at once, and what a user sees then depends on the load. Two ways t
   next request as soon as its last one finished, so ``N`` requests are always in flight. The
   server's batch holds up to ``N`` sequences: throughput grows with ``N`` (one read of the weights
   serves the whole batch, chapter 07 and the batching lab) while each user's gaps grow too.
+  :func:`sweep_concurrency` runs several ``N``, interleaved.
 - **open loop, arrival times** (:func:`run_arrivals`): each request is sent at its
   ``arrival_s`` (e.g. a Poisson process, :func:`utils.requests.poisson_arrivals`), whether or not
   the server kept up: past its capacity, the queue and TTFT grow without bound. This is how
@@ -136,6 +137,17 @@ def run_arrivals(requests: Sequence[Request], client: Client | None = None, *, m
     return _replay(requests, client, workers, True, deadline_s, (ttft_target_s, tbt_target_s), prompts, chat, params)
 
 
+def sweep_concurrency(requests: Sequence[Request], levels: Sequence[int], client: Client | None = None, *,
+                      repeats: int = 1, **kwargs: Any) -> dict[int, list[LoadRun]]:
+    """:func:`run_concurrent` at every concurrency in ``levels``, ``repeats`` rounds, interleaved (1, 2, 4, 1, 2,
+    4, ...: a slow spell of the machine weighs on every level alike); ``kwargs`` as for :func:`run_concurrent`."""
+    runs: dict[int, list[LoadRun]] = {check_count(c, "concurrency"): [] for c in levels}
+    for _ in range(check_count(repeats, "repeats")):
+        for c in runs:
+            runs[c].append(run_concurrent(requests, c, client, **kwargs))
+    return runs
+
+
 # ----------------------------------------------------------------------------- the replay loop
 
 
@@ -240,3 +252,16 @@ def summarize_run(outcomes: Sequence[RequestOutcome], wall_s: float, ttft_target
 
 def _percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else math.nan
+
+
+def weight_read_gain(ttft_s: float, tbt_s: float, output_tokens: int, concurrency: int) -> float:
+    """Throughput at ``concurrency`` over throughput alone, **predicted** from a run alone by the weight-read model.
+
+    Alone, each request takes ``TTFT + (n - 1) · TBT``. With ``c`` requests at once, their prompts prefilled
+    together cost ``c`` times one (prefill is compute: ``c`` times the tokens), while a decode step of ``c`` rows
+    costs one step alone (each step reads the weights once, for every row): ``c · TTFT + (n - 1) · TBT`` for
+    ``c`` requests. A measured gain below this says a step of ``c`` rows costs more than one weight read.
+    """
+    c, n = check_count(concurrency, "concurrency"), check_count(output_tokens, "output_tokens")
+    ttft, tbt = check_number(ttft_s, "ttft_s", "s"), check_number(tbt_s, "tbt_s", "s")
+    return c * (ttft + (n - 1) * tbt) / (c * ttft + (n - 1) * tbt)

@@ -51,6 +51,7 @@ import json
 import math
 import os
 import socket
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -100,6 +101,7 @@ class StreamResult:
     counted_by: str
     chunk_s: tuple[float, ...]
     total_s: float  # until [DONE] (or the end of the stream)
+    server_timings: dict | None = None  # llama.cpp's server times itself and says so ("timings"); others: None
 
     @property
     def ttft_s(self) -> float:
@@ -380,6 +382,7 @@ class _Tally:
     chunk_s: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict | None = None
+    timings: dict | None = None
     payloads: int = 0
     end_s: float = math.nan
 
@@ -426,6 +429,8 @@ def _add_chunk(tally: _Tally, chunk: dict, chat: bool, now: float, url: str) -> 
     tally.payloads += 1
     if isinstance(chunk.get("usage"), dict):
         tally.usage = chunk["usage"]
+    if isinstance(chunk.get("timings"), dict):
+        tally.timings = chunk["timings"]
     choices = chunk.get("choices") or [{}]
     if not isinstance(choices, list) or not isinstance(choices[0], dict):
         raise ServerError(f"{url} sent a chunk without a list of choices: {_quote(json.dumps(chunk), 200)}",
@@ -455,7 +460,7 @@ def _result(url: str, tally: _Tally, start: float, prompt: str | Sequence[int],
         n_prompt = None if isinstance(prompt, str) else len(prompt)
         n_out, source = len(tally.chunk_s), "chunks"
     return StreamResult(url, text, tally.finish_reason, n_prompt, n_out, source,
-                        tuple(t - start for t in tally.chunk_s), tally.end_s - start)
+                        tuple(t - start for t in tally.chunk_s), tally.end_s - start, tally.timings)
 
 
 def _count(tokenizer: Tokenizer, text: str | Sequence[int]) -> int:
@@ -464,3 +469,55 @@ def _count(tokenizer: Tokenizer, text: str | Sequence[int]) -> int:
         return len(text)
     out = tokenizer(text)
     return int(out) if isinstance(out, int) else len(out)
+
+
+# ----------------------------------------------------------------------------- one request, repeated
+
+
+@dataclass(frozen=True)
+class StreamSpeed:
+    """One request sent ``repeats`` times, one after another, after an untimed warm-up: medians and spread."""
+
+    results: tuple[StreamResult, ...]
+
+    @property
+    def decode_samples(self) -> list[float]:
+        """Decode tok/s of each repeat, seen by the client."""
+        return [r.decode_tok_s for r in self.results]
+
+    @property
+    def decode_tok_s(self) -> float:
+        return statistics.median(self.decode_samples)
+
+    @property
+    def ttft_s(self) -> float:
+        return statistics.median(r.ttft_s for r in self.results)
+
+    @property
+    def relative_spread(self) -> float:
+        """Interquartile range over median of the repeats' decode tok/s (0 with fewer than 2)."""
+        xs = self.decode_samples
+        if len(xs) < 2:
+            return 0.0
+        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+        return (q3 - q1) / statistics.median(xs)
+
+    @property
+    def server_decode_tok_s(self) -> float:
+        """What the server timed itself (llama.cpp's ``timings.predicted_per_second``), median; nan if not sent."""
+        own = [float(r.server_timings["predicted_per_second"]) for r in self.results
+               if r.server_timings and isinstance(r.server_timings.get("predicted_per_second"), (int, float))]
+        return statistics.median(own) if len(own) == len(self.results) else math.nan
+
+    @property
+    def text(self) -> str:
+        return self.results[-1].text
+
+
+def measure_speed(client: Client, prompt: str | Sequence[int], max_tokens: int, *, repeats: int = 3,
+                  **params: Any) -> StreamSpeed:
+    """Send the same request ``1 + repeats`` times in a row (the first untimed: the server's warm-up) and
+    keep the timed ones; ``params`` go to :meth:`Client.complete` (e.g. ``ignore_eos=True``)."""
+    check_count(repeats, "repeats")
+    client.complete(prompt, max_tokens, **params)
+    return StreamSpeed(tuple(client.complete(prompt, max_tokens, **params) for _ in range(repeats)))
