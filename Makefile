@@ -16,7 +16,7 @@ export GOMP_SPINCOUNT ?= 10000
 # JupyterLab refuses to run as root (CI, containers) unless told.
 ROOT_FLAG := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 
-.PHONY: setup model lab test test-lane-a test-lane-b unit notebooks notebooks-default-model notebooks-test-model test-under-load browser-test bench report compare labs check-labs clean grade test-grade nbgrader-course
+.PHONY: setup model lab llama-server test test-lane-a test-lane-b unit notebooks notebooks-default-model notebooks-test-model test-under-load browser-test bench report compare labs check-labs clean grade test-grade nbgrader-course
 
 setup: $(STAMP) $(BYTECODE) model
 
@@ -136,9 +136,18 @@ notebooks: setup
 # embedded GGUF file) at 128 and 1,024 tokens of context; last line JSON. The first run builds
 # llama-cpp-python once (4-6 minutes on 2 cores, kept in .cache/wheels); `make bench QUICK=1` is
 # CI's short setting (make test runs it first, so the roofline lab finds llama.cpp installed).
-BENCH_QUICK := --fast-path --quick --contexts 128 --prompt-tokens 128 --new-tokens 16 --repeats 2
+# SERVER=URL adds an OpenAI-compatible server's row, timed over HTTP; SERVER=llama.cpp starts llama.cpp's own
+# server here on the embedded file (built once on first use, about 4 minutes on 2 cores: make llama-server).
+# CI's short setting measures llama.cpp's server too (make test builds it once per machine here, before
+# chapter 07 needs it).
+BENCH_QUICK := --fast-path --quick --contexts 128 --prompt-tokens 128 --new-tokens 16 --repeats 2 --server llama.cpp
 bench: setup
-	$(PY) -m utils.bench $(if $(filter-out 0,$(QUICK)),$(BENCH_QUICK),--fast-path)
+	$(PY) -m utils.bench $(if $(filter-out 0,$(QUICK)),$(BENCH_QUICK),--fast-path) $(if $(SERVER),--server $(SERVER))
+
+# llama.cpp's OpenAI-compatible server (utils/llama_server.py), built once per machine from the llama.cpp
+# sources in llama-cpp-python's source package: chapter 07's real-engine section and make bench SERVER=llama.cpp.
+llama-server: setup
+	$(PY) -m utils.llama_server --build
 
 # The reference report: every chapter and solved lab executed on this machine, written to
 # reports/<machine-id>/ (each notebook as HTML, results.json, index.html). The learner's full

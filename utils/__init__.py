@@ -30,6 +30,7 @@ modules listed before it (``tests/test_layering.py`` checks it).
 - ``meter``         a per-request log line in the style of an inference engine, and its diagnosis
 - ``openai_client`` any OpenAI-compatible server, streamed and timed from outside (torch-free): TTFT, gaps, decode tok/s
 - ``load_generator`` a real server under load (torch-free): fixed concurrency or arrival times; throughput, p50/p99, goodput
+- ``llama_server`` llama.cpp's own server on the embedded file: built once per machine, started and stopped on 127.0.0.1
 - ``verdicts``      conclusions computed from this run's numbers (which is faster, what bounds decode)
 - ``quant``         weight-only int8 / int4 quantization (reference and PyTorch kernels), any layer width
 - ``variants``      judging a model variant against its baseline: bytes, perplexity, agreement, speed-up
@@ -52,6 +53,6 @@ for _name in ("torchao", "torch.utils._pytree"):
 __version__ = "0.1.0"
 
 MODULE_ORDER = ("errors", "results", "device", "timing", "decide", "roofline", "hardware", "plotting", "tokens", "sampling",
-                "models", "peer", "llama", "phases", "llama_phases", "engine", "requests", "blocks", "scheduler", "executors", "batching", "simulator", "paged", "long_context", "meter", "openai_client", "load_generator", "verdicts", "quant", "variants", "fast", "speculative", "checks",
+                "models", "peer", "llama", "phases", "llama_phases", "engine", "requests", "blocks", "scheduler", "executors", "batching", "simulator", "paged", "long_context", "meter", "openai_client", "load_generator", "llama_server", "verdicts", "quant", "variants", "fast", "speculative", "checks",
                 "chapter", "bench", "report", "grade")
 """The package's modules, bottom to top: each imports only modules before it."""

@@ -1,7 +1,7 @@
 """Reference benchmark: prefill and decode of the configured model on this machine.
 
     python -m utils.bench [--prompt-tokens 128 512] [--new-tokens 64] [--repeats 3]
-                          [--fast-path] [--contexts 128 1024] [--quick] [--no-llama-cpp]
+                          [--fast-path] [--contexts 128 1024] [--quick] [--no-llama-cpp] [--server URL]
 
 Measures, with the workbook's protocol (warm-up, repeats, median): memory bandwidth
 and matmul FLOP/s of the device, prefill tok/s at each prompt length, decode tok/s
@@ -18,6 +18,10 @@ llama.cpp on the embedded GGUF file (``llama-cpp-python``, installed on first us
 ``make bench``; when it is missing its row says why). Each row: tok/s, MB read per token,
 share of the measured-bandwidth ceiling, speed-up over transformers bf16, greedy-token
 agreement, compile seconds. ``--quick`` (CI): bf16 eager rows and the compiled int4 row only.
+``--server URL`` adds a row for any OpenAI-compatible server, timed from outside one request at a time
+(:mod:`utils.openai_client`); ``--server llama.cpp`` starts llama.cpp's own server here on the embedded
+file (:mod:`utils.llama_server`, built once on first use), and its row says how its text and its speed
+compare with llama.cpp in process (:data:`utils.llama_server.HTTP_BAND`).
 
 Model, device and dtype follow ``WORKBOOK_MODEL`` / ``WORKBOOK_DEVICE`` /
 ``WORKBOOK_DTYPE`` or the flags; ``shape:<name>`` models are accepted (speeds only).
@@ -26,18 +30,20 @@ Model, device and dtype follow ``WORKBOOK_MODEL`` / ``WORKBOOK_DEVICE`` /
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from . import fast, peer, quant
+from . import fast, llama_server, peer, quant
 from .engine import decode_speed, generate, measure_prefill
 from .hardware import describe_machine, measure_matmul_flops, probe_bandwidth
 from .llama import Llama
-from .models import LoadedModel, load_model
+from .models import EMBEDDED, LoadedModel, load_model
+from .openai_client import Client, ServerError, measure_speed
 from .roofline import decode_bytes_per_token, decode_ceiling_tok_s
 from .tokens import filler_ids
 from .variants import bytes_read_per_token
@@ -150,8 +156,9 @@ def targets_at(rows: list[fast.Row], bandwidth: float) -> dict[str, Any]:
 
 
 def run_fast_path(lm: LoadedModel, contexts: list[int], new_tokens: int, repeats: int, quick: bool,
-                  bandwidth: float, with_llama_cpp: bool = True) -> dict[str, Any]:
-    """The fast-path table at each context, the kernels' own speed, llama.cpp and the targets."""
+                  bandwidth: float, with_llama_cpp: bool = True, server: str | None = None) -> dict[str, Any]:
+    """The fast-path table at each context, the kernels' own speed, llama.cpp and the targets; with ``server``
+    (a base URL, or ``"llama.cpp"``: its server on the embedded file, see :func:`serving`), its row over HTTP."""
     forms = fast_models(lm, quick)
     # quick (CI): compile only the row that meets llama.cpp; the roofline lab compiles bf16 in the same run
     compiled = [QUICK_COMPILED] if quick else None
@@ -166,11 +173,60 @@ def run_fast_path(lm: LoadedModel, contexts: list[int], new_tokens: int, repeats
             peer_row, out["llama_cpp"] = fast.llama_cpp_row(lm, context, new_tokens, repeats, fp32_tokens)
             rows += [peer_row] if peer_row else []
             out["llama_cpp"] = out["llama_cpp"] or "ok"
+        if server:  # started for its row only: no idle server beside the other rows' timings
+            with serving(server, lm, context + new_tokens + 8) as (url, why):
+                row, out["server"] = (server_row(lm, url, server == "llama.cpp", context, new_tokens, repeats,
+                                                 next((r for r in rows if r.name.startswith("llama.cpp")), None))
+                                      if url else (None, why))
+            rows += [row] if row else []
         baseline = next(r for r in rows if r.name == "transformers" and r.weights == "bfloat16")
         print_rows_at(rows, bandwidth, baseline, out["llama_cpp"])
+        if server:
+            print(f"{context:>7}  server: {out['server']}")
         out["rows"] += [r.as_dict(bandwidth, baseline.tok_s) for r in rows]
         out["targets"][str(context)] = targets_at(rows, bandwidth)
     return out
+
+
+def server_row(lm: LoadedModel, url: str, local: bool, context: int, new_tokens: int, repeats: int,
+               peer_row: fast.Row | None) -> tuple[fast.Row | None, str]:
+    """A server measured from outside (:func:`utils.openai_client.measure_speed`, one request at a time) on the
+    table's prompt, as token ids: a row, and a note (its ratio to llama.cpp in process, or why there is no row).
+    ``local``: it is llama.cpp's server on the embedded file, started by :func:`serving`."""
+    try:
+        speed = measure_speed(Client(url), filler_ids(lm.tokenizer, context)[0].tolist(), new_tokens,
+                              repeats=repeats, **(llama_server.LlamaServer.EXACT if local else {"ignore_eos": True}))
+    except ServerError as e:
+        return None, f"no row: {e}"
+    agree, note = "", "ok"
+    if local and peer_row is not None:
+        at = next((i for i, (x, y) in enumerate(zip(speed.text, peer_row.text)) if x != y), None)
+        agree = ("same text as llama.cpp in process" if speed.text == peer_row.text
+                 else f"text parts from llama.cpp in process at character {at}")
+        ratio, (low, high) = speed.decode_tok_s / peer_row.tok_s, llama_server.HTTP_BAND
+        note = (f"over HTTP / in process: {ratio:.2f}x, {'within' if low <= ratio <= high else 'OUTSIDE'} the band "
+                f"{low}-{high}x (same kernels; llama_server.HTTP_BAND says why)")
+    return fast.Row("llama-server over HTTP" if local else f"server {url}",
+                    peer_row.weights if local and peer_row else "as served", context, speed.decode_tok_s,
+                    peer_row.bytes_per_token if local and peer_row else 0.0, agree, noisy=speed.relative_spread > 0.25,
+                    spread=speed.relative_spread, text=speed.text), note
+
+
+@contextlib.contextmanager
+def serving(server: str, lm: LoadedModel, longest: int) -> Iterator[tuple[str | None, str]]:
+    """Yield (the server's URL, ""): ``server`` itself, or, for ``"llama.cpp"``, llama.cpp's server started here on
+    the embedded file (one slot, room for ``longest`` tokens) and stopped at the end; or (None, why there is none:
+    llama.cpp's server on another model, or not built), and the table goes on without its row."""
+    if server != "llama.cpp":
+        yield server, ""
+        return
+    why = ("it serves the embedded GGUF file on the CPU, not this model" if lm.name != EMBEDDED or lm.device.type != "cpu"
+           else llama_server.status())  # main() built it before measuring: a build must not share the CPU with a timing
+    if why:
+        yield None, f"no row: {why}"
+        return
+    with llama_server.LlamaServer(parallel=1, context_per_slot=longest) as s:
+        yield s.url, ""
 
 
 def print_rows_at(rows: list[fast.Row], bandwidth: float, baseline: fast.Row, peer_note: str) -> None:
@@ -223,7 +279,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 1024], help="fast-path context lengths")
     p.add_argument("--quick", action="store_true", help="fast path: bf16 eager rows and the compiled int4 row only (CI)")
     p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out of the fast-path table")
+    p.add_argument("--server", default=None, metavar="URL",
+                   help="add an OpenAI-compatible server's row to the fast-path table, measured over HTTP "
+                        "(e.g. http://127.0.0.1:8080/v1); 'llama.cpp' starts llama.cpp's server here on the embedded file")
     a = p.parse_args(argv)
+    if a.server and not a.fast_path:
+        p.error("--server adds a row to the fast-path table: add --fast-path")
     start = time.perf_counter()
     if a.fast_path and not a.no_llama_cpp:
         why = peer.ensure_installed()  # before measuring: a build must not share the CPU with a timing
@@ -231,10 +292,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lm = load_model(a.model, a.device, a.dtype)
     if lm.random_weights:
         print(f"{lm.name}: random weights. Speeds are real; the tokens mean nothing (agreement still counts).")
+    if a.server == "llama.cpp" and lm.name == EMBEDDED:
+        print(f"llama-server: {llama_server.ensure_built() or 'built'}", flush=True)  # before measuring, like llama.cpp
     result = run(lm, sorted(a.prompt_tokens), a.new_tokens, a.repeats)
     if a.fast_path:
         result["fast_path"] = run_fast_path(lm, sorted(a.contexts), a.new_tokens, a.repeats, a.quick,
-                                            result["bandwidth_GBps"] * 1e9, not a.no_llama_cpp)
+                                            result["bandwidth_GBps"] * 1e9, not a.no_llama_cpp, a.server)
     result["bench_seconds"] = round(time.perf_counter() - start, 1)
     print_table(result)
     print(json.dumps(result))

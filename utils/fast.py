@@ -313,6 +313,7 @@ class Row:
     noisy: bool = False
     tokens: list[int] = field(default_factory=list, repr=False)
     spread: float = 0.0  # relative spread (IQR / median) of the timed repeats, for utils.decide
+    text: str = field(default="", repr=False)  # a peer's output as text (to compare a server's stream with)
 
     def share(self, bandwidth: float) -> float:
         """Share of the ceiling ``bandwidth / bytes_per_token`` this row reaches."""
@@ -388,8 +389,9 @@ def print_rows(rows: list[Row], bandwidth: float, baseline: Row) -> None:
     for r in rows:
         compile_s = f"{r.compile_s:.0f} s" if r.compile_s else ""
         flag = "  NOISY" if r.noisy else ""
-        print(f"{r.context:>7}  {r.name:<34} {r.weights:<20} {r.tok_s:>7.1f} {r.bytes_per_token / 1e6:>7.1f} "
-              f"{r.share(bandwidth):>8.0%} {r.tok_s / baseline.tok_s:>7.2f}x  {compile_s:>8}  {r.agree}{flag}")
+        mb, share = (f"{r.bytes_per_token / 1e6:.1f}", f"{r.share(bandwidth):.0%}") if r.bytes_per_token else ("?", "?")
+        print(f"{r.context:>7}  {r.name:<34} {r.weights:<20} {r.tok_s:>7.1f} {mb:>7} "
+              f"{share:>8} {r.tok_s / baseline.tok_s:>7.2f}x  {compile_s:>8}  {r.agree}{flag}")
 
 
 def llama_cpp_row(lm: LoadedModel, context: int, new_tokens: int, repeats: int,
@@ -412,4 +414,4 @@ def llama_cpp_row(lm: LoadedModel, context: int, new_tokens: int, repeats: int,
     kv = 2 * s.n_layers * s.n_kv_heads * s.head_dim * 2 * (context + new_tokens // 2)
     return Row(r.engine, f"{r.weights} (GGUF file)", context, r.decode_tok_s,
                float(peer.embedded_gguf().stat().st_size + kv), agreement(r.tokens, reference, what),
-               tokens=r.tokens), ""
+               tokens=r.tokens, text=r.text), ""

@@ -115,6 +115,7 @@ class PeerResult:
     threads: int
     tokens: list[int] = field(default_factory=list)
     decode_samples_s: list[float] = field(default_factory=list)
+    text: str = ""  # the tokens as llama.cpp detokenizes them (what its server would stream)
 
 
 def llama_cpp_speed(prompt_ids: Sequence[int], new_tokens: int, *, repeats: int = 3, threads: int | None = None,
@@ -143,10 +144,11 @@ def llama_cpp_speed(prompt_ids: Sequence[int], new_tokens: int, *, repeats: int 
         if run:  # the first run warms up
             prefills.append(t1 - t0)
             decodes.append(t2 - t1)
+    text = llm.detokenize(tokens).decode("utf-8", errors="replace")
     llm.close()
     return PeerResult("llama.cpp " + _version(), path.name.split(".")[-2], len(prompt_ids),
                       len(prompt_ids) / statistics.median(prefills),
-                      (new_tokens - 1) / statistics.median(decodes), threads, tokens, decodes)
+                      (new_tokens - 1) / statistics.median(decodes), threads, tokens, decodes, text)
 
 
 def _greedy(llm: "object") -> int:
