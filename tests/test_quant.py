@@ -19,7 +19,7 @@ from torch import nn
 
 from utils.quant import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, int8_matmul_kernel,
                          pack_int4, pad_to_multiple, padded_width, quantize_int4, quantize_int4_unpacked,
-                         quantize_int8, unpack_int4, weight_bytes)
+                         quantize_int8, stored_bytes, unpack_int4)
 
 IN, OUT = 256, 96  # OUT a multiple of 16: the CPU int4 kernel needs it
 
@@ -132,7 +132,7 @@ def test_any_width_on_the_kernel_path(in_f: int, out_f: int, dtype: torch.dtype,
     k4 = Int4Linear.from_linear(lin, 32, dtype=torch.bfloat16)
     if k4.use_kernel:  # the padded rows and columns are stored: their bytes are counted
         n_p, k_p = padded_width(out_f, 16), padded_width(in_f, 32)
-        assert weight_bytes(k4) == n_p * k_p // 2 + 2 * 2 * n_p * k_p // 32 + out_f * 2
+        assert stored_bytes(k4) == n_p * k_p // 2 + 2 * 2 * n_p * k_p // 32 + out_f * 2
 
 
 def test_the_int8_kernel_refuses_a_width_it_would_read_past() -> None:
@@ -206,15 +206,15 @@ def test_dequantized_weights_are_inspectable(linear: nn.Linear) -> None:
     assert rel_err(Int4Linear.from_linear(linear, 32, use_kernel=False).dequantized_weight(), w) < 0.1
 
 
-def test_weight_bytes_counts_real_storage(linear: nn.Linear) -> None:
-    fp32 = weight_bytes(linear)
+def test_stored_bytes_counts_real_storage(linear: nn.Linear) -> None:
+    fp32 = stored_bytes(linear)
     assert fp32 == (IN * OUT + OUT) * 4
     int8 = Int8Linear.from_linear(linear)  # q + fp32 scale + fp32 bias
-    assert weight_bytes(int8) == IN * OUT + OUT * 4 + OUT * 4
-    assert weight_bytes(int8) / fp32 == pytest.approx(0.25, abs=0.01)
+    assert stored_bytes(int8) == IN * OUT + OUT * 4 + OUT * 4
+    assert stored_bytes(int8) / fp32 == pytest.approx(0.25, abs=0.01)
     for use_kernel in (None, False):  # same bytes in either layout
         int4 = Int4Linear.from_linear(linear, 32, dtype=torch.bfloat16, use_kernel=use_kernel)
-        assert weight_bytes(int4) == IN * OUT // 2 + 2 * 2 * OUT * IN // 32 + OUT * 2
+        assert stored_bytes(int4) == IN * OUT // 2 + 2 * 2 * OUT * IN // 32 + OUT * 2
 
 
 def test_weight_bytes_counts_tied_once_and_skips_non_persistent() -> None:
@@ -223,7 +223,7 @@ def test_weight_bytes_counts_tied_once_and_skips_non_persistent() -> None:
     model.head = nn.Linear(16, 100, bias=False)
     model.head.weight = model.embed.weight  # tied
     model.register_buffer("rope_table", torch.zeros(1000), persistent=False)
-    assert weight_bytes(model) == 100 * 16 * 4
+    assert stored_bytes(model) == 100 * 16 * 4
 
 
 def test_weight_bytes_of_torchao_weights(linear: nn.Linear) -> None:
@@ -232,7 +232,7 @@ def test_weight_bytes_of_torchao_weights(linear: nn.Linear) -> None:
 
     model = nn.Sequential(nn.Linear(IN, OUT, bias=False)).to(torch.bfloat16)
     quantize_(model, Int8WeightOnlyConfig())
-    got = weight_bytes(model)
+    got = stored_bytes(model)
     assert IN * OUT <= got <= IN * OUT + OUT * 8  # int8 data plus per-row scale (and zero point)
 
 

@@ -117,15 +117,6 @@ def test_decode_intensity_is_2b_over_bytes_per_param():
     assert rl.decode_intensity(2, batch=64) == 64.0
 
 
-def test_prefill_intensity_matches_decode_with_tokens_as_batch():
-    assert rl.prefill_intensity(2, 512) == rl.decode_intensity(2, batch=512) == 512.0
-
-
-def test_attainable_flops_is_the_roofline():
-    assert rl.attainable_flops(1.0, 989e12, 3.35e12) == pytest.approx(3.35e12)
-    assert rl.attainable_flops(1000.0, 989e12, 3.35e12) == pytest.approx(989e12)
-
-
 def test_crossover_batch():
     # bf16 on H100: decode is memory-bound up to ~295 sequences
     assert rl.crossover_batch(989e12, 3.35e12, 2) == pytest.approx(295.2, abs=0.1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from utils.quant import Int4Linear, Int8Linear, weight_bytes
+from utils.quant import Int4Linear, Int8Linear, stored_bytes
 
 # ----------------------------------------------------------------------------- judging a quantized model
 

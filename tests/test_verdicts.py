@@ -44,8 +44,8 @@ def test_measured_vs_predicted():
     (0.79, 0.9, "bandwidth-bound"),
     (0.27, 0.8, "one-row matmul kernel's effective bandwidth"),
     (0.10, 0.3, "per-operator overhead")])
-def test_decode_limit_follows_the_profile(share, matmul_share, expect):
-    assert expect in V.decode_limit(share, matmul_share, 16.7, 50.0)
+def test_decode_bound_follows_the_profile(share, matmul_share, expect):
+    assert expect in V.decode_bound(share, matmul_share, 16.7, 50.0)
 
 
 # prefill at a short and a long prompt on the two synthetic machines (seconds):

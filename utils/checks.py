@@ -35,6 +35,7 @@ from .llama import Llama
 from .requests import Request, synthetic_trace
 from .scheduler import AuditedPolicy, PolicyError, Scheduler, serve
 from .blocks import BlockManager
+from .device import dtype_name
 from .simulator import SimulatedExecutor, fit_costs
 from .speculative import accept_greedy
 
@@ -148,17 +149,6 @@ def check_shape(name: str, got: Any, expected: Sequence[int]) -> None:
     if shape != want:
         fail(name, f"shape {shape} was expected to be {want} (got a {_type_name(got)}).")
     passed(name, f"shape {shape}")
-
-
-def dtype_name(dtype: Any) -> str:
-    """A comparable name for a torch/numpy dtype or a string: ``torch.int8`` -> ``int8``."""
-    text = str(dtype)
-    if text.startswith("torch."):
-        return text.removeprefix("torch.")
-    try:
-        return np.dtype(dtype).name  # np.float32, "f4", "float32" -> "float32"
-    except TypeError:
-        return text
 
 
 def check_dtype(name: str, got: Any, expected: Any) -> None:

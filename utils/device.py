@@ -16,14 +16,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import (OutOfMemoryError, UnsupportedDeviceError, UnsupportedDtypeError,
                      check_number)
-
-GB = 1e9
-"""Bytes in a (decimal) gigabyte."""
+from .roofline import GB
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -81,9 +81,16 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return wanted
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``: for headers and tables."""
-    return str(dtype).removeprefix("torch.")
+def dtype_name(dtype: Any) -> str:
+    """A dtype's plain name, for headers, tables and comparisons: ``torch.bfloat16`` -> ``"bfloat16"``;
+    numpy dtypes and strings too (``np.float32``, ``"f4"`` -> ``"float32"``)."""
+    text = str(dtype)
+    if text.startswith("torch."):
+        return text.removeprefix("torch.")
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return text
 
 
 # --------------------------------------------------------------------- memory

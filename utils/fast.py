@@ -22,9 +22,8 @@ to do less per step, in this order (each is a row of the roofline lab's table):
    reason to recompile (:func:`compile_count` counts, :func:`explain_recompiles` shows why).
 4. **Weight-only int8 / int4 kernels** (:mod:`utils.quant`): fewer bytes again.
 
-:func:`fast_generate` runs a request through a :class:`FastDecoder` (prefill eager,
-decode through the possibly compiled step) and returns the same greedy tokens as
-:func:`utils.engine.generate` in the same dtype; :func:`fast_decode_speed` times its
+:meth:`FastDecoder.generate` runs a request (prefill eager, decode through the possibly
+compiled step) and returns the same greedy tokens as :func:`utils.engine.generate` in the same dtype; :func:`fast_decode_speed` times its
 decode loop the way :func:`utils.engine.decode_speed` times the eager one.
 """
 
@@ -205,14 +204,6 @@ class FastDecoder:
         return torch.cat([first[:, None], rest], dim=1)
 
 
-def fast_generate(model: Llama, ids: Tensor, max_new_tokens: int, compiled: bool = False) -> Tensor:
-    """One request through a fresh :class:`FastDecoder` (greedy): the new tokens [B, n]."""
-    ids = ids if ids.dim() == 2 else ids.view(1, -1)
-    check_prompt_length(ids.shape[1], model.args.max_context, max_new_tokens)
-    decoder = FastDecoder.build(model, static_length(ids.shape[1], max_new_tokens), ids.shape[0], compiled)
-    return decoder.generate(ids, max_new_tokens)
-
-
 def fast_decode_speed(decoder: FastDecoder, ids: Tensor, n_tokens: int, *, repeats: int = 3,
                       warmup: int = 1) -> Timing:
     """Time ``n_tokens`` decode steps of ``decoder`` after an untimed prefill of ``ids``."""
@@ -334,8 +325,9 @@ def step_bytes(model: Llama, context: int) -> float:
     return float(bytes_read_per_token(model) + kv)
 
 
-def agreement(tokens: Tensor | list[int], reference: Tensor | list[int], what: str) -> str:
-    """``"k/n vs <what>"``: leading tokens equal to the reference."""
+def agreement_column(tokens: Tensor | list[int], reference: Tensor | list[int], what: str) -> str:
+    """The table's greedy-tokens column, ``"k/n vs <what>"``: leading tokens equal to the reference
+    (:func:`utils.verdicts.agreement` says the same in a sentence)."""
     n = len(torch.as_tensor(reference).flatten())
     return f"{tokens_agreed(tokens, reference)}/{n} vs {what}"
 
@@ -364,7 +356,7 @@ def eager_row(name: str, model: Any, ids: Tensor, n_tokens: int, *, weights: str
     :func:`utils.engine.decode_speed`, with its greedy tokens compared to ``reference``."""
     tokens = engine.generate(model, ids, n_tokens)[0]
     result = engine.decode_speed(model, ids, n_tokens, repeats=repeats)
-    agree = agreement(tokens, reference, what) if reference is not None else ""
+    agree = agreement_column(tokens, reference, what) if reference is not None else ""
     return Row(name, weights, ids.shape[-1], result.tok_s, bytes_per_token, agree,
                noisy=result.timing.noisy, tokens=tokens.tolist())
 
@@ -376,7 +368,7 @@ def decoder_row(name: str, decoder: FastDecoder, ids: Tensor, n_tokens: int, *, 
         decoder.warm_up(ids)
     tokens = decoder.generate(ids, n_tokens)[0]
     timing = fast_decode_speed(decoder, ids, n_tokens, repeats=repeats)
-    agree = agreement(tokens, reference, what) if reference is not None else ""
+    agree = agreement_column(tokens, reference, what) if reference is not None else ""
     return Row(name, weights, ids.shape[-1], n_tokens / timing.median,
                step_bytes(decoder.model, ids.shape[-1] + n_tokens // 2), agree,
                decoder.compile_s if decoder.compiled else None, timing.noisy, tokens.tolist(), timing.relative_spread)
@@ -413,5 +405,5 @@ def llama_cpp_row(lm: LoadedModel, context: int, new_tokens: int, repeats: int,
     s = lm.spec
     kv = 2 * s.n_layers * s.n_kv_heads * s.head_dim * 2 * (context + new_tokens // 2)
     return Row(r.engine, f"{r.weights} (GGUF file)", context, r.decode_tok_s,
-               float(peer.embedded_gguf().stat().st_size + kv), agreement(r.tokens, reference, what),
+               float(peer.embedded_gguf().stat().st_size + kv), agreement_column(r.tokens, reference, what),
                tokens=r.tokens, text=r.text), ""

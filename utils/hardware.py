@@ -28,9 +28,9 @@ import torch
 from . import roofline
 from .device import device_memory_bytes, pick_device, resolve_dtype
 from .errors import WorkbookError, check_count, check_number
+from .roofline import GB
 from .timing import measure
 
-GB = roofline.GB
 
 # ---------------------------------------------------------------- measurement
 

@@ -38,11 +38,6 @@ def new_cache(model: Llama, batch: int, max_len: int, static: bool = False) -> K
     return model.new_cache(batch, max_len, static=static)
 
 
-def cache_length(cache: KVCache) -> int:
-    """Slots filled so far (the same for every row)."""
-    return cache.length
-
-
 def rollback(cache: KVCache, length: int) -> None:
     """Forget everything after the first ``length`` tokens (a rejected speculative draft)."""
     if not 0 <= length <= cache.length:

@@ -65,11 +65,6 @@ def new_cache(model: Any, batch: int, max_len: int) -> HFCache:
     return HFCache(DynamicCache(config=model.config), batch, max_len)
 
 
-def cache_length(cache: HFCache) -> int:
-    """Tokens the cache holds (the same for every row)."""
-    return cache.length
-
-
 def rollback(cache: HFCache, length: int) -> None:
     """Forget everything after the first ``length`` tokens (a rejected speculative draft)."""
     if not 0 <= length <= cache.length:

@@ -48,7 +48,7 @@ Any width (a layer whose sizes do not fit the groups or the kernels)
       kernel path zero-pads the rows and cuts the output back to ``out_features``.
     Padding only happens where a size needs it: the default model's sizes need none.
 
-:func:`weight_bytes` counts what a module really stores (each tensor once, tied ones
+:func:`stored_bytes` counts what a module really stores (each tensor once, tied ones
 once), so tables of bytes against tokens/s are honest.
 
 Judging a quantized copy against its baseline (perplexity, agreement, speed) is
@@ -452,7 +452,7 @@ def _plain_tensors(t: Tensor) -> list[Tensor]:
     return [t]
 
 
-def weight_bytes(module: nn.Module) -> int:
+def stored_bytes(module: nn.Module) -> int:
     """Bytes the module's parameters and persistent buffers really occupy.
 
     Each storage is counted once (tied or shared tensors once), in full; non-persistent

@@ -270,13 +270,6 @@ def ridge_point(peak_flops: float, bandwidth_bytes_s: float) -> float:
     return peak / check_number(bandwidth_bytes_s, "bandwidth_bytes_s", "bytes per second")
 
 
-def attainable_flops(intensity: float, peak_flops: float, bandwidth_bytes_s: float) -> float:
-    """The roofline: ``min(peak, intensity x bandwidth)`` (FLOP/s)."""
-    rate = check_number(intensity, "intensity", "FLOP per byte") * check_number(
-        bandwidth_bytes_s, "bandwidth_bytes_s", "bytes per second")
-    return min(check_number(peak_flops, "peak_flops", "FLOP per second"), rate)
-
-
 def decode_intensity(bytes_per_param: float, batch: int = 1) -> float:
     """Intensity of one decode step over the weights: ``2 x batch / bytes_per_param``.
 
@@ -287,16 +280,6 @@ def decode_intensity(bytes_per_param: float, batch: int = 1) -> float:
     """
     size = check_number(bytes_per_param, "bytes_per_param", "bytes per parameter")
     return 2.0 * check_count(batch, "batch") / size
-
-
-def prefill_intensity(bytes_per_param: float, n_tokens: int) -> float:
-    """Intensity of prefill over the weights: ``2 x n_tokens / bytes_per_param`` (FLOP/B).
-
-    The same formula as decode with the prompt tokens in place of the batch: a
-    512-token bf16 prompt does 512 FLOP per weight byte, above most ridge points.
-    """
-    size = check_number(bytes_per_param, "bytes_per_param", "bytes per parameter")
-    return 2.0 * check_count(n_tokens, "n_tokens", error=InvalidTokenCountError) / size
 
 
 def crossover_batch(peak_flops: float, bandwidth_bytes_s: float,

@@ -25,16 +25,16 @@ from torch import Tensor
 
 from . import engine, llama_phases
 from .llama import Llama, RMSNorm, iter_linears
-from .quant import weight_bytes
+from .quant import stored_bytes
 from .roofline import kv_bytes_per_token
 from .timing import Timing, profile_self_time, synchronize
 
 def bytes_read_per_token(model: Llama) -> int:
     """Weight bytes one decode step reads: every projection (:func:`~utils.llama.iter_linears`) and
-    every RMSNorm, as stored (:func:`weight_bytes`). The input embedding is a lookup (one row a
+    every RMSNorm, as stored (:func:`utils.quant.stored_bytes`). The input embedding is a lookup (one row a
     token) and is left out, unless it is tied to the LM head, which is read whole."""
-    linears = sum(weight_bytes(m) for _, m in iter_linears(model))
-    return linears + sum(weight_bytes(m) for m in model.modules() if isinstance(m, RMSNorm))
+    linears = sum(stored_bytes(m) for _, m in iter_linears(model))
+    return linears + sum(stored_bytes(m) for m in model.modules() if isinstance(m, RMSNorm))
 
 
 @torch.inference_mode()

@@ -63,9 +63,9 @@ def measured_vs_predicted(what: str, measured: float, predicted: float, *, close
             f"{side} than the model explains.")
 
 
-def decode_limit(share_of_ceiling: float, matmul_share_of_step: float, matmul_GBps: float,
-                 probe_GBps: float) -> str:
-    """What bounds decode here, from the step's profile and the bandwidth reached.
+def _decode_below_probe(share_of_ceiling: float, matmul_share_of_step: float, matmul_GBps: float,
+                        probe_GBps: float) -> str:
+    """:func:`decode_bound` where the matmuls stream well below the probe (or decode is near the ceiling).
 
     - near the ceiling (share >= 70 %): memory bandwidth;
     - matmuls are most of the step but stream far below the probe: the matmul kernel's
@@ -240,13 +240,18 @@ def speed_follows_bytes(names: Sequence[str], bytes_per_token: Sequence[float], 
 
 def decode_bound(share_of_ceiling: float, matmul_share_of_step: float, matmul_GBps: float,
                  probe_GBps: float, *, at_probe: float = 0.9) -> str:
-    """:func:`decode_limit`, plus the case where the matmuls stream at the probe's rate or above it.
+    """What bounds decode here, from the step's profile and the bandwidth reached.
 
-    Then the matmuls already run at the memory's speed (a probe that a one-row matmul beats
-    under-reads the bandwidth), and what keeps decode from the ceiling is the rest of the step.
+    - near the ceiling (share >= 70 %): memory bandwidth;
+    - matmuls are most of the step but stream far below the probe: the matmul kernel's
+      effective bandwidth (one row through each weight matrix) -- time still scales with bytes;
+    - matmuls are a minority of the step: per-operator overhead (dispatch, small kernels);
+    - matmuls stream at the probe's rate or above it (``at_probe``): they already run at the memory's
+      speed (a probe that a one-row matmul beats under-reads the bandwidth), and what keeps decode from
+      the ceiling is the rest of the step.
     """
     if matmul_GBps < at_probe * check_number(probe_GBps, "probe_GBps", "GB/s") or share_of_ceiling >= 0.7:
-        return decode_limit(share_of_ceiling, matmul_share_of_step, matmul_GBps, probe_GBps)
+        return _decode_below_probe(share_of_ceiling, matmul_share_of_step, matmul_GBps, probe_GBps)
     if matmul_GBps >= probe_GBps:
         rate = (f"above the {probe_GBps:.1f} GB/s probed: they run at the memory's speed (the probe "
                 "under-reads it)")
