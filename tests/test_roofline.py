@@ -379,3 +379,19 @@ def test_one_prefill_ceiling_for_llama3_8b():
     assert round(rl.prefill_ceiling_tok_s(989.4e12, P)) == 70_878  # the H100 figure chapters 03, 06 and 07 print
     assert rl.LLAMA3_8B.pass_flops(1000) == pytest.approx(
         2 * P * 1000 + rl.attention_flops(32, 4096, 1000) + 2 * 128_256 * 4_096)
+
+
+def test_linear_bytes_counts_weights_and_their_scales():
+    shapes = [(64, 96), (32, 64)]
+    assert rl.linear_bytes(shapes, 32, scale_bits=0) == 4 * (64 * 96 + 32 * 64)
+    assert rl.linear_bytes(shapes, 8) == 64 * (96 + 2) + 32 * (64 + 2)  # int8 + a bf16 scale per row
+    # int4, a bf16 scale and zero point per group of 32 inputs: 96 inputs are 3 groups, 64 are 2
+    assert rl.linear_bytes(shapes, 4, group=32, zero_point=True) == 64 * (96 / 2 + 3 * 4) + 32 * (64 / 2 + 2 * 4)
+    assert rl.linear_bytes([(8, 33)], 4, group=32) == 8 * (33 * 4 + 2 * 16) / 8  # a partial group keeps its scale
+    with pytest.raises(WorkbookError):
+        rl.linear_bytes(shapes, 4, group=0)
+
+
+def test_tokens_that_fit_is_none_where_the_weights_leave_no_room():
+    assert rl.tokens_that_fit(80e9, 16e9, 131_072, 1, 0.1) == rl.max_context_tokens(80e9, 16e9, 131_072, 1, 0.1)
+    assert rl.tokens_that_fit(16e9, 16e9, 131_072, 1, 0.0) is None

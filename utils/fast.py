@@ -41,6 +41,7 @@ from . import engine, llama_phases, peer
 from .errors import WorkbookError, check_prompt_length, check_token_count
 from .llama import KVCache, Llama, iter_linears
 from .models import EMBEDDED, LoadedModel
+from .roofline import kv_bytes_per_token
 from .tokens import filler_ids
 from .timing import Timing, measure, profile_self_time, synchronize
 from .variants import bytes_read_per_token, tokens_agreed
@@ -321,7 +322,7 @@ class Row:
 def step_bytes(model: Llama, context: int) -> float:
     """Bytes one decode step reads at ``context`` tokens: the weights as stored plus the KV cache."""
     a = model.args
-    kv = 2 * a.n_layers * a.n_kv_heads * a.head_dim * model.dtype.itemsize * context
+    kv = kv_bytes_per_token(a.n_layers, a.n_kv_heads, a.head_dim, model.dtype.itemsize) * context
     return float(bytes_read_per_token(model) + kv)
 
 
@@ -403,7 +404,7 @@ def llama_cpp_row(lm: LoadedModel, context: int, new_tokens: int, repeats: int,
     except Exception as exc:  # a peer that fails must not stop the measurement: its row says why
         return None, f"llama.cpp failed: {type(exc).__name__}: {exc}"
     s = lm.spec
-    kv = 2 * s.n_layers * s.n_kv_heads * s.head_dim * 2 * (context + new_tokens // 2)
+    kv = kv_bytes_per_token(s.n_layers, s.n_kv_heads, s.head_dim, 2) * (context + new_tokens // 2)  # float16 cache
     return Row(r.engine, f"{r.weights} (GGUF file)", context, r.decode_tok_s,
                float(peer.embedded_gguf().stat().st_size + kv), agreement_column(r.tokens, reference, what),
                tokens=r.tokens, text=r.text), ""

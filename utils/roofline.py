@@ -137,6 +137,23 @@ def weight_bytes(n_params: float, bytes_per_param: float) -> float:
             * check_number(bytes_per_param, "bytes_per_param", "bytes per parameter"))
 
 
+def linear_bytes(shapes: Sequence[tuple[int, int]], bits: float, group: int | None = None,
+                 scale_bits: int = 16, zero_point: bool = False) -> float:
+    """Bytes of linear layers' weights stored at ``bits`` per weight (``shapes``: (out_features, in_features)).
+
+    Each output row carries a scale of ``scale_bits`` (and a zero point of as many with ``zero_point``), or
+    one per ``group`` inputs, a partial last group padded so it still has its own:
+    ``out x (in x bits + ceil(in / group) x scale_bits x (2 if zero_point else 1)) / 8``.
+    A float format has no scales: ``scale_bits=0``.
+    """
+    bits = check_number(bits, "bits", "bits per weight")
+    total = 0.0
+    for out_f, in_f in shapes:
+        scales = 1 if group is None else math.ceil(check_count(in_f, "in_features") / check_count(group, "group"))
+        total += check_count(out_f, "out_features") * (in_f * bits + scales * scale_bits * (2 if zero_point else 1)) / 8
+    return total
+
+
 def weight_bytes_read_per_token(n_params: float, bytes_per_param: float, vocab_size: int,
                                 hidden_size: int, tied_embeddings: bool) -> float:
     """Weight bytes one decode step really reads (B): all weights but an untied input embedding.
@@ -443,6 +460,15 @@ def max_context_tokens(memory_bytes: float, weight_bytes: float, kv_bytes_per_to
             f"{reserve_fraction:.0%} reserve). Use a smaller dtype (bf16, int8, int4) "
             "or a smaller model.")
     return math.floor((usable - weights) / (per_token * seqs))
+
+
+def tokens_that_fit(memory_bytes: float, weight_bytes: float, kv_bytes_per_token: float,
+                    batch: int = 1, reserve_fraction: float = 0.1) -> int | None:
+    """:func:`max_context_tokens`, or None where the weights alone leave no room (for tables of many cases)."""
+    try:
+        return max_context_tokens(memory_bytes, weight_bytes, kv_bytes_per_token, batch, reserve_fraction)
+    except OutOfMemoryError:
+        return None
 
 
 def max_sequences(memory_bytes: float, weight_bytes: float, kv_bytes_per_token: float,
