@@ -130,6 +130,22 @@ def test_empty_prompt_is_a_clear_error(lm):
         phases.prefill(lm.model, phases.new_cache(lm.model, 1, 4), torch.zeros(1, 0, dtype=torch.long))
 
 
+@pytest.mark.parametrize("backend", ["transformers", "hand-written"])
+def test_both_backends_refuse_the_same_bad_batches_alike(lm, hand, backend):
+    """Empty, all padding, right-padded, a batch the cache was not made for: one check, the same error each way."""
+    model = lm.model if backend == "transformers" else hand
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    bad = [(torch.zeros(2, 0, dtype=torch.long), None, 2, EmptyPromptError, "empty"),
+           (ids, torch.tensor([[1, 1, 1], [0, 0, 0]]), 2, EmptyPromptError, "all padding"),
+           (ids, torch.tensor([[1, 1, 1], [1, 1, 0]]), 2, WorkbookError, "LEFT-padded"),
+           (ids, None, 3, WorkbookError, "made for batch 3")]
+    for prompt, mask, rows, error, words in bad:
+        with pytest.raises(error, match=words):
+            E.prefill(model, E.new_cache(model, rows, 8), prompt, mask)
+    logits = E.prefill(model, E.new_cache(model, 2, 8), ids, torch.tensor([[1, 1, 1], [0, 1, 1]]))  # left: fine
+    assert logits.shape == (2, lm.spec.vocab_size)
+
+
 def test_prompt_longer_than_context(lm):
     n = lm.spec.max_context
     with pytest.raises(PromptTooLongError, match=f"context holds {n}"):

@@ -112,6 +112,27 @@ def check_prompt_length(n_prompt: int, max_context: int, n_new: int = 0) -> None
         )
 
 
+def check_prompt_batch(input_ids: Any, attention_mask: Any = None, batch: int | None = None) -> tuple[Any, Any]:
+    """A prompt as ``[B, T]`` ids and its mask as ``[B, T]`` bool (None when none was given), checked the same
+    way for both backends: not empty, no row all padding, the padding on the left (where every decode step
+    appends), and ``B`` rows when the cache was made for ``batch``."""
+    ids = input_ids if input_ids.dim() == 2 else input_ids.view(1, -1)
+    rows, length = ids.shape
+    if length == 0:
+        raise EmptyPromptError("The prompt is empty: give at least one token of text to prefill.")
+    if batch is not None and rows != batch:
+        raise WorkbookError(f"The cache was made for batch {batch}, the prompt has {rows} rows.")
+    if attention_mask is None:
+        return ids, None
+    mask = attention_mask.view(ids.shape).bool()
+    if not bool(mask.any(dim=1).all()):
+        raise EmptyPromptError("A prompt in the batch is all padding: give each row at least one token.")
+    if not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+        raise WorkbookError("The batch must be LEFT-padded (padding before the prompt): "
+                            "set tokenizer.padding_side = 'left'.")
+    return ids, mask
+
+
 def check_token_ids(ids: Any, vocab_size: int) -> None:
     """Raise :class:`InvalidTokenIdError` if any id in the tensor ``ids`` is outside ``[0, vocab_size)``."""
     if ids.numel() == 0:

@@ -24,8 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .errors import (EmptyPromptError, PromptTooLongError, WorkbookError, check_prompt_length,
-                     check_token_ids)
+from .errors import PromptTooLongError, WorkbookError, check_prompt_batch, check_prompt_length, check_token_ids
 from .llama import KVCache, Llama
 
 def max_context(model: Llama) -> int:
@@ -45,18 +44,11 @@ def rollback(cache: KVCache, length: int) -> None:
     cache.length = length
 
 
-def as_batch(input_ids: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """input_ids as [B, T] long and the mask as [B, T] bool; checks non-empty and left padding."""
-    ids = input_ids if input_ids.dim() == 2 else input_ids.view(1, -1)
-    if ids.shape[1] == 0:
-        raise EmptyPromptError("The prompt is empty: give at least one token of text to prefill.")
-    mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.view(ids.shape).bool()
-    if not bool(mask.any(dim=1).all()):
-        raise EmptyPromptError("A prompt in the batch is all padding: give each row at least one token.")
-    if not bool((mask[:, 1:] >= mask[:, :-1]).all()):
-        raise WorkbookError("The batch must be LEFT-padded (padding before the prompt): "
-                            "set tokenizer.padding_side = 'left'.")
-    return ids, mask
+def as_batch(input_ids: Tensor, attention_mask: Tensor | None, batch: int | None = None) -> tuple[Tensor, Tensor]:
+    """input_ids as [B, T] and the mask as [B, T] bool, all True when none is given
+    (:func:`utils.errors.check_prompt_batch` checks both, as for the other backend)."""
+    ids, mask = check_prompt_batch(input_ids, attention_mask, batch)
+    return ids, torch.ones_like(ids, dtype=torch.bool) if mask is None else mask
 
 
 @torch.inference_mode()
@@ -86,15 +78,12 @@ def prefill(model: Llama, cache: KVCache, input_ids: Tensor,
     Resets ``cache`` and fills slots 0..T-1. Returns the logits of the last position [B, V]:
     the distribution of the first new token.
     """
-    ids, mask = as_batch(input_ids, attention_mask)
-    B, T = ids.shape
-    if B != cache.batch:
-        raise WorkbookError(f"The cache was made for batch {cache.batch}, the prompt has {B} rows.")
-    check_prompt_length(T, cache.max_len)
+    ids, mask = as_batch(input_ids, attention_mask, cache.batch)
+    check_prompt_length(ids.shape[1], cache.max_len)
     mask = mask.to(cache.device)
     cache.length = 0
     cache.valid.fill_(True)
-    cache.valid[:, :T] = mask  # padding slots are never attended to
+    cache.valid[:, :ids.shape[1]] = mask  # padding slots are never attended to
     cache.n_pad.copy_((~mask).sum(dim=1))  # RoPE position = slot - n_pad
     return extend(model, cache, ids, last_only=True)[:, -1]
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .errors import EmptyPromptError, PromptTooLongError, WorkbookError, check_prompt_length, check_token_ids
+from .errors import PromptTooLongError, WorkbookError, check_prompt_batch, check_prompt_length, check_token_ids
 
 
 @dataclass
@@ -119,17 +119,10 @@ def prefill(model: Any, cache: HFCache, input_ids: Tensor, attention_mask: Tenso
 
     Resets ``cache`` first.
     """
-    ids = input_ids if input_ids.dim() == 2 else input_ids.view(1, -1)
-    B, T = ids.shape
-    if T == 0:
-        raise EmptyPromptError("The prompt is empty: give at least one token of text to prefill.")
-    if B != cache.batch:
-        raise WorkbookError(f"The cache was made for batch {cache.batch}, the prompt has {B} rows.")
-    check_prompt_length(T, cache.max_len)
+    ids, mask = check_prompt_batch(input_ids, attention_mask, cache.batch)
+    check_prompt_length(ids.shape[1], cache.max_len)
     check_token_ids(ids, model.config.vocab_size)
-    mask = None if attention_mask is None else attention_mask.view(ids.shape).bool().to(ids.device)
-    if mask is not None and not bool(mask.any(dim=1).all()):
-        raise EmptyPromptError("A prompt in the batch is all padding: give each row at least one token.")
+    mask = None if mask is None else mask.to(ids.device)
     _drop(cache, cache.length)  # a prefill starts a new request
     cache.mask = None if mask is None or bool(mask.all()) else mask
     return _forward(model, cache, ids, last_only=True)[:, -1]
