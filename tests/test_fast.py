@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_batching import tiny_hf
 
-from utils import engine, fast, quant
+from utils import decode_table, engine, fast, quant
 from utils.llama_phases import forward_no_cache
 from utils.errors import WorkbookError
 from utils.llama import Llama
@@ -89,7 +89,7 @@ def test_decode_past_the_static_cache_is_refused(model):
 def test_projections_seconds_times_every_projection(model):
     seconds = fast.projections_seconds(model, repeats=3)
     assert 0 < seconds < 1
-    row = fast.Row("x", "float32", 12, tok_s=10.0, bytes_per_token=2e6)
+    row = decode_table.Row("x", "float32", 12, tok_s=10.0, bytes_per_token=2e6)
     assert row.share(4e7) == pytest.approx(0.5)
     assert row.as_dict(4e7, baseline_tok_s=5.0)["speedup"] == 2.0
 
@@ -103,9 +103,9 @@ def test_many_decoders_in_one_process_stay_under_the_recompile_limit(model):
 
 def test_divergence_finds_where_two_streams_part_and_the_logit_gap_there(model):
     want = engine.generate(model, IDS, 6)[0].tolist()
-    assert fast.divergence(model, IDS, want, want) is None
+    assert decode_table.divergence(model, IDS, want, want) is None
     wrong = want[:3] + [(want[3] + 1) % 90] + want[4:]
-    i, gap = fast.divergence(model, IDS, wrong, want)
+    i, gap = decode_table.divergence(model, IDS, wrong, want)
     # the gap is the eager model's own: recomputed here by hand
     row = forward_no_cache(model, torch.cat([IDS, torch.tensor([want[:3]])], 1), last_only=True)[0, -1]
     assert i == 3 and gap == pytest.approx(float((row[want[3]] - row[wrong[3]]).abs() / row.abs().max()), rel=1e-5)
@@ -120,3 +120,15 @@ def test_an_imitated_cpu_compiles_without_gemm_templates(monkeypatch):
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     assert fast.compile_options(cpu)["mode"] == "default"
     assert fast.compile_options(cpu, mode="max-autotune")["mode"] == "max-autotune"
+
+
+def test_the_phase_speeds_have_one_shape(lm, model):
+    """prefill_speed, decode_speed and fast_decode_speed: a model (or decoder) and a prompt in, a PhaseResult out."""
+    ids = torch.cat([IDS, IDS.flip(1)])  # two rows
+    pre = engine.prefill_speed(model, ids, repeats=2)
+    dec = engine.decode_speed(model, ids, 4, repeats=2)
+    fast_dec = fast.fast_decode_speed(fast.FastDecoder.build(model, 64, batch=2, compiled=False), ids, 4, repeats=2)
+    assert (pre.phase, pre.tokens) == ("prefill", ids.numel())
+    assert (dec.phase, dec.tokens) == (fast_dec.phase, fast_dec.tokens) == ("decode", 8)
+    assert all(isinstance(r, engine.PhaseResult) and r.tok_s > 0 for r in (pre, dec, fast_dec))
+    assert engine.measure_prefill(lm, 8, repeats=1).tokens == 8

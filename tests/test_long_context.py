@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from utils import batching, engine
 from utils import long_context as LC
 from utils.errors import OutOfMemoryError, WorkbookError
-from utils.fast import NEAR_TIE, divergence
+from utils.decode_table import NEAR_TIE, divergence
 from utils.llama import LlamaArgs
 from utils.llama_phases import forward_no_cache
-from utils.variants import perplexity, tokens_agreed
+from utils.variants import perplexity
 
 ROPE = {"rope_type": "default", "rope_theta": 10_000.0}
 
@@ -84,7 +84,7 @@ def test_int8_cache_bytes_are_the_formula(model):
 
 def test_int8_cache_keeps_greedy_tokens_and_perplexity(model):
     """Band: 24 greedy tokens equal on each of 3 prompts, or parting only at a near-tie of the float model's
-    logits (random weights have many: < fast.NEAR_TIE of the largest logit); perplexity within 1%."""
+    logits (random weights have many: < decode_table.NEAR_TIE of the largest logit); perplexity within 1%."""
     int8 = LC.with_int8_kv(model)
     for seed in range(3):
         p = ids(12, seed)

@@ -34,7 +34,8 @@ modules listed before it (``tests/test_layering.py`` checks it).
 - ``verdicts``      conclusions computed from this run's numbers (which is faster, what bounds decode)
 - ``quant``         weight-only int8 / int4 quantization (reference and PyTorch kernels), any layer width
 - ``variants``      judging a model variant against its baseline: bytes, perplexity, agreement, speed-up
-- ``fast``          the fast path: static cache, hot loop, the one-token step compiled once; the roofline table's rows
+- ``fast``          the fast path: static cache, hot loop, the one-token step compiled once
+- ``decode_table`` the roofline table: each way of decoding measured as a row (tok/s, bytes, ceiling, tokens), llama.cpp's row
 - ``speculative``   speculative decoding: drafts (prompt lookup, early exit, int4 copy), verify, accept, roll back
 - ``checks``        the labs' check functions: a verdict that says what is wrong
 - ``chapter``       the first cell of every chapter: load the model, print the setup
@@ -53,6 +54,6 @@ for _name in ("torchao", "torch.utils._pytree"):
 __version__ = "0.1.0"
 
 MODULE_ORDER = ("errors", "results", "roofline", "device", "timing", "decide", "hardware", "plotting", "tokens", "sampling",
-                "models", "peer", "llama", "phases", "llama_phases", "engine", "requests", "blocks", "scheduler", "executors", "batching", "simulator", "paged", "long_context", "meter", "openai_client", "load_generator", "llama_server", "verdicts", "quant", "variants", "fast", "speculative", "checks",
+                "models", "peer", "llama", "phases", "llama_phases", "engine", "requests", "blocks", "scheduler", "executors", "batching", "simulator", "paged", "long_context", "meter", "openai_client", "load_generator", "llama_server", "verdicts", "quant", "variants", "fast", "decode_table", "speculative", "checks",
                 "chapter", "bench", "report", "grade")
 """The package's modules, bottom to top: each imports only modules before it."""

@@ -10,7 +10,7 @@ for both); then the decode ceiling ``bandwidth / bytes per token`` and the share
 reached. Prints a readable table, then one JSON line last (machine-readable, for
 collecting results from many machines: ``make bench | tail -1``).
 
-``--fast-path`` adds the roofline lab's table (:mod:`utils.fast`), in the same process and
+``--fast-path`` adds the roofline lab's table (:mod:`utils.fast`, :mod:`utils.decode_table`), in the same process and
 run, on the same prompt and output length, at each ``--contexts`` length: transformers
 (as loaded and in bf16), the hand-written eager loop, the static cache + hot loop, the
 compiled step in bf16 (and float32), the compiled int8 and int4 (+ int8 head) copies, and
@@ -38,7 +38,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import fast, llama_server, peer, quant
+from . import decode_table, fast, llama_server, peer, quant
 from .engine import decode_speed, generate, measure_prefill
 from .hardware import describe_machine, measure_matmul_flops, probe_bandwidth
 from .llama import Llama
@@ -109,18 +109,18 @@ def fast_models(lm: LoadedModel, quick: bool) -> dict[str, Llama]:
 
 
 def fast_rows_at(lm: LoadedModel, forms: dict[str, Llama], context: int, new_tokens: int,
-                 repeats: int, compiled: list[str] | None = None) -> list[fast.Row]:
+                 repeats: int, compiled: list[str] | None = None) -> list[decode_table.Row]:
     """Every row of the table at one context length (see the module docstring); a compiled row
     for each form in ``compiled`` (default: every form)."""
     ids, n, length = filler_ids(lm.tokenizer, context, lm.device), new_tokens, fast.static_length(context, new_tokens)
     bf16 = forms["bfloat16"]
     hf_bf16 = lm.model if lm.dtype == torch.bfloat16 else copy.deepcopy(lm.model).to(torch.bfloat16)
-    rows = [fast.eager_row("transformers", m, ids, n, weights=str(m.dtype).removeprefix("torch."),
-                           repeats=repeats, bytes_per_token=fast.step_bytes(bf16, context + n // 2) * m.dtype.itemsize / 2)
+    rows = [decode_table.eager_row("transformers", m, ids, n, weights=str(m.dtype).removeprefix("torch."),
+                           repeats=repeats, bytes_per_token=decode_table.step_bytes(bf16, context + n // 2) * m.dtype.itemsize / 2)
             for m in [lm.model] + ([hf_bf16] if hf_bf16 is not lm.model else [])]
-    eager = fast.eager_row("hand-written eager loop", bf16, ids, n, weights="bfloat16", repeats=repeats,
-                           bytes_per_token=fast.step_bytes(bf16, context + n // 2))
-    static = fast.decoder_row("static cache + hot loop", fast.FastDecoder.build(bf16, length, compiled=False),
+    eager = decode_table.eager_row("hand-written eager loop", bf16, ids, n, weights="bfloat16", repeats=repeats,
+                           bytes_per_token=decode_table.step_bytes(bf16, context + n // 2))
+    static = decode_table.decoder_row("static cache + hot loop", fast.FastDecoder.build(bf16, length, compiled=False),
                               ids, n, weights="bfloat16", reference=torch.tensor(eager.tokens),
                               what="eager bf16", repeats=repeats)
     rows += [eager, static]
@@ -130,7 +130,7 @@ def fast_rows_at(lm: LoadedModel, forms: dict[str, Llama], context: int, new_tok
                      else fast.FastDecoder.build(model, length, compiled=False).generate(ids, n)[0])
         what = f"static eager {weights.split()[0]}"
         decoder = fast.FastDecoder.build(model, length, compiled=True, label=weights)
-        rows.append(fast.decoder_row("compiled step", decoder, ids, n, weights=weights,
+        rows.append(decode_table.decoder_row("compiled step", decoder, ids, n, weights=weights,
                                      reference=reference, what=what, repeats=repeats))
     return rows
 
@@ -139,7 +139,7 @@ TARGETS = {"bf16 share of ceiling": 0.8, "bf16 over transformers bf16": 3.5, "qu
 """The issue's targets for the fast path, as ratios within one run."""
 
 
-def targets_at(rows: list[fast.Row], bandwidth: float) -> dict[str, Any]:
+def targets_at(rows: list[decode_table.Row], bandwidth: float) -> dict[str, Any]:
     """The fast path against :data:`TARGETS` at one context (None where a row is missing)."""
     by = {(r.name, r.weights): r for r in rows}
     compiled_bf16, hf_bf16 = by.get(("compiled step", "bfloat16")), by.get(("transformers", "bfloat16"))
@@ -170,7 +170,7 @@ def run_fast_path(lm: LoadedModel, contexts: list[int], new_tokens: int, repeats
             fp32 = next((r for r in rows if r.weights == "float32"), None)
             fp32_tokens = fp32.tokens if fp32 else generate(copy.deepcopy(forms["bfloat16"]).float(),
                                                             filler_ids(lm.tokenizer, context, lm.device), new_tokens)[0].tolist()
-            peer_row, out["llama_cpp"] = fast.llama_cpp_row(lm, context, new_tokens, repeats, fp32_tokens)
+            peer_row, out["llama_cpp"] = decode_table.llama_cpp_row(lm, context, new_tokens, repeats, fp32_tokens)
             rows += [peer_row] if peer_row else []
             out["llama_cpp"] = out["llama_cpp"] or "ok"
         if server:  # started for its row only: no idle server beside the other rows' timings
@@ -189,7 +189,7 @@ def run_fast_path(lm: LoadedModel, contexts: list[int], new_tokens: int, repeats
 
 
 def server_row(lm: LoadedModel, url: str, local: bool, context: int, new_tokens: int, repeats: int,
-               peer_row: fast.Row | None) -> tuple[fast.Row | None, str]:
+               peer_row: decode_table.Row | None) -> tuple[decode_table.Row | None, str]:
     """A server measured from outside (:func:`utils.openai_client.measure_speed`, one request at a time) on the
     table's prompt, as token ids: a row, and a note (its ratio to llama.cpp in process, or why there is no row).
     ``local``: it is llama.cpp's server on the embedded file, started by :func:`serving`."""
@@ -206,7 +206,7 @@ def server_row(lm: LoadedModel, url: str, local: bool, context: int, new_tokens:
         ratio, (low, high) = speed.decode_tok_s / peer_row.tok_s, llama_server.HTTP_BAND
         note = (f"over HTTP / in process: {ratio:.2f}x, {'within' if low <= ratio <= high else 'OUTSIDE'} the band "
                 f"{low}-{high}x (same kernels; llama_server.HTTP_BAND says why)")
-    return fast.Row("llama-server over HTTP" if local else f"server {url}",
+    return decode_table.Row("llama-server over HTTP" if local else f"server {url}",
                     peer_row.weights if local and peer_row else "as served", context, speed.decode_tok_s,
                     peer_row.bytes_per_token if local and peer_row else 0.0, agree, noisy=speed.relative_spread > 0.25,
                     spread=speed.relative_spread, text=speed.text), note
@@ -229,11 +229,11 @@ def serving(server: str, lm: LoadedModel, longest: int) -> Iterator[tuple[str | 
         yield s.url, ""
 
 
-def print_rows_at(rows: list[fast.Row], bandwidth: float, baseline: fast.Row, peer_note: str) -> None:
+def print_rows_at(rows: list[decode_table.Row], bandwidth: float, baseline: decode_table.Row, peer_note: str) -> None:
     """One context's table, as it is measured (a long run shows its progress)."""
     print(f"\nfast path at {rows[0].context} tokens of context (ceiling = {bandwidth / 1e9:.1f} GB/s ÷ MB/tok; "
           f"speed-up over transformers bf16):")
-    fast.print_rows(rows, bandwidth, baseline)
+    decode_table.print_rows(rows, bandwidth, baseline)
     if peer_note != "ok":
         print(f"{rows[0].context:>7}  llama.cpp: no row ({peer_note})")
 

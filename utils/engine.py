@@ -14,8 +14,10 @@ over that vocabulary, so swapping backends is swapping the model you pass:
 - :func:`stream`: one request, token by token as each is made, with its text so far,
   the time it arrived and, on the last one, why generation ended (``length``, ``eos``,
   ``stop``); :func:`run_request` collects it into :class:`RequestMetrics`;
-- :func:`measure_prefill`, :func:`decode_speed` (the one decode-speed function the
-  chapters, labs and benchmark all call) and :func:`measure_decode`.
+- :func:`prefill_speed` and :func:`decode_speed` (a model and a prompt in, a :class:`PhaseResult` out: the one
+  prefill-speed and the one decode-speed function the chapters, labs and benchmark all call; the fast path's
+  :func:`utils.fast.fast_decode_speed` has the same shape), and :func:`measure_prefill` / :func:`measure_decode`,
+  the same on an English prompt of ``n`` tokens.
 
 Conventions (the design's measurement protocol): prefill tok/s = prompt tokens ÷
 prefill time; TTFT = prefill + the first sample; decode tok/s = tokens after the first
@@ -314,15 +316,26 @@ class PhaseResult:
         return f"{self.phase}: {self.tokens} tokens in {self.timing} -> {self.tok_s:,.1f} tok/s"
 
 
+def prefill_speed(model: Any, ids: Tensor, *, repeats: int = 5, warmup: int = 1) -> PhaseResult:
+    """Time one prefill pass of ``ids`` [B, T] (a fresh, untimed cache each time): tokens = ``B x T``.
+
+    The same shape as :func:`decode_speed` (and :func:`utils.fast.fast_decode_speed`): a model and a prompt in,
+    a :class:`PhaseResult` out; :func:`measure_prefill` is the same on an English prompt of ``n`` tokens.
+    """
+    ids = _as_batch(ids)
+    B, T = ids.shape
+    check_prompt_length(T, max_context(model))
+    timing = measure(lambda cache: prefill(model, cache, ids), setup=lambda: new_cache(model, B, T),
+                     warmup=warmup, repeats=repeats, device=device_of(model), desc=f"prefill {T}")
+    return PhaseResult("prefill", B * T, timing)
+
+
 def measure_prefill(lm: LoadedModel, n_tokens: int, *, repeats: int = 5, warmup: int = 1,
                     model: Any = None) -> PhaseResult:
-    """Time one prefill pass of ``n_tokens`` prompt tokens (a fresh, untimed cache each time)."""
+    """:func:`prefill_speed` of an ``n_tokens``-token English prompt (of ``model``, default the loaded one)."""
     model = model if model is not None else lm.model
     check_prompt_length(n_tokens, max_context(model))
-    ids = filler_ids(lm.tokenizer, n_tokens, lm.device)
-    timing = measure(lambda cache: prefill(model, cache, ids), setup=lambda: new_cache(model, 1, n_tokens),
-                     warmup=warmup, repeats=repeats, device=lm.device, desc=f"prefill {n_tokens}")
-    return PhaseResult("prefill", n_tokens, timing)
+    return prefill_speed(model, filler_ids(lm.tokenizer, n_tokens, lm.device), repeats=repeats, warmup=warmup)
 
 
 def measure_prefills(lm: LoadedModel, lengths: Sequence[int], *, repeats: int = 5, warmup: int = 1,
