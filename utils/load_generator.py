@@ -138,14 +138,26 @@ def run_arrivals(requests: Sequence[Request], client: Client | None = None, *, m
 
 
 def sweep_concurrency(requests: Sequence[Request], levels: Sequence[int], client: Client | None = None, *,
-                      repeats: int = 1, **kwargs: Any) -> dict[int, list[LoadRun]]:
+                      repeats: int = 1, progress: bool = True, **kwargs: Any) -> dict[int, list[LoadRun]]:
     """:func:`run_concurrent` at every concurrency in ``levels``, ``repeats`` rounds, interleaved (1, 2, 4, 1, 2,
-    4, ...: a slow spell of the machine weighs on every level alike); ``kwargs`` as for :func:`run_concurrent`."""
+    4, ...: a slow spell of the machine weighs on every level alike), with a progress bar (``progress``);
+    ``kwargs`` as for :func:`run_concurrent`."""
     runs: dict[int, list[LoadRun]] = {check_count(c, "concurrency"): [] for c in levels}
-    for _ in range(check_count(repeats, "repeats")):
-        for c in runs:
-            runs[c].append(run_concurrent(requests, c, client, **kwargs))
+    order = [c for _ in range(check_count(repeats, "repeats")) for c in runs]
+    for c in _progress(order, progress, "clients"):
+        runs[c].append(run_concurrent(requests, c, client, **kwargs))
     return runs
+
+
+def _progress(items: list, show: bool, desc: str) -> Any:
+    """``items`` behind a tqdm bar when asked and tqdm is installed (it comes with Jupyter), else as they are."""
+    if not show:
+        return items
+    try:
+        from tqdm.auto import tqdm  # optional: this module needs only the standard library and numpy
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, leave=False)
 
 
 # ----------------------------------------------------------------------------- the replay loop
