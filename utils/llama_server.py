@@ -93,6 +93,8 @@ def ensure_built(log: Path | None = None, timeout_s: float = 3600) -> str:
         return ""
     if os.environ.get("WORKBOOK_LLAMA_SERVER"):
         return status()
+    if shutil.which("cmake") is None or shutil.which("c++") is None:
+        return "llama-server needs CMake and a C++ compiler to build (e.g. apt-get install cmake g++)"
     log = log or REPO_ROOT / ".cache" / "llama-server-build.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"Building llama-server from {LLAMA_CPP_PYTHON}'s llama.cpp sources once "
