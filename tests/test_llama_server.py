@@ -64,12 +64,14 @@ def test_the_command_sets_slots_context_threads_and_flash_attention_off(tmp_path
 
 def test_a_server_that_exits_while_starting_says_so_with_its_last_lines(tmp_path, monkeypatch, gguf):
     monkeypatch.setenv("WORKBOOK_LLAMA_SERVER", str(stand_in(tmp_path, "echo 'error: unknown model format'; exit 3")))
-    start = time.perf_counter()
+    server, start = LlamaServer(gguf, start_timeout_s=10), time.perf_counter()
     with pytest.raises(ServerNotAvailable) as info:
-        with LlamaServer(gguf, start_timeout_s=10):
+        with server:
             pass
     assert "code 3" in str(info.value) and "unknown model format" in str(info.value)
     assert time.perf_counter() - start < 5
+    assert server.log.is_file()  # kept, for whoever reads the error
+    server.log.unlink()
 
 
 def test_a_server_that_never_answers_is_stopped_after_its_timeout(tmp_path, monkeypatch, gguf):
@@ -80,6 +82,7 @@ def test_a_server_that_never_answers_is_stopped_after_its_timeout(tmp_path, monk
         server.__enter__()
     assert time.perf_counter() - start < 12
     assert server._proc is None  # stopped, not left running
+    server.log.unlink()
 
 
 # ----------------------------------------------------------------------------- the real server

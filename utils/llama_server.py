@@ -122,7 +122,9 @@ def _build(tmp: Path, log: Path, stop: float) -> bool:
     if not built.is_file():
         return False
     binary().parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(built, binary())
+    partial = binary().with_suffix(".partial")
+    shutil.copy2(built, partial)
+    os.replace(partial, binary())  # whole or not at all: a half-copied program never looks built
     return True
 
 
@@ -182,7 +184,7 @@ class LlamaServer:
         self.threads = threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or (os.cpu_count() or 1)
         self.start_timeout_s = check_number(start_timeout_s, "start_timeout_s", "s")
         self.port = 0
-        self.log = REPO_ROOT / ".cache" / "llama-server.log"
+        self.log = REPO_ROOT / ".cache" / "llama-server.log"  # one per port once started (servers may run at once)
         self._proc: subprocess.Popen | None = None
 
     @property
@@ -201,6 +203,7 @@ class LlamaServer:
 
     def __enter__(self) -> "LlamaServer":
         self.port = free_port()
+        self.log = REPO_ROOT / ".cache" / f"llama-server.{self.port}.log"
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "w") as out:
             self._proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT,
@@ -214,6 +217,7 @@ class LlamaServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+        self.log.unlink(missing_ok=True)  # a server that failed to start raised with its last lines, and kept its log
 
     def _wait_ready(self) -> None:
         """Until ``GET /health`` answers 200 (503 while the model loads); a clear error if it exits or times out."""

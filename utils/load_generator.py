@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from .errors import WorkbookError, check_count, check_number
 from .openai_client import Client, ServerError, StreamResult
@@ -140,24 +141,13 @@ def run_arrivals(requests: Sequence[Request], client: Client | None = None, *, m
 def sweep_concurrency(requests: Sequence[Request], levels: Sequence[int], client: Client | None = None, *,
                       repeats: int = 1, progress: bool = True, **kwargs: Any) -> dict[int, list[LoadRun]]:
     """:func:`run_concurrent` at every concurrency in ``levels``, ``repeats`` rounds, interleaved (1, 2, 4, 1, 2,
-    4, ...: a slow spell of the machine weighs on every level alike), with a progress bar (``progress``);
+    4, ...: a slow spell of the machine weighs on every level alike), with a progress bar unless ``progress=False``;
     ``kwargs`` as for :func:`run_concurrent`."""
     runs: dict[int, list[LoadRun]] = {check_count(c, "concurrency"): [] for c in levels}
     order = [c for _ in range(check_count(repeats, "repeats")) for c in runs]
-    for c in _progress(order, progress, "clients"):
+    for c in tqdm(order, desc="clients", leave=False, disable=not progress):
         runs[c].append(run_concurrent(requests, c, client, **kwargs))
     return runs
-
-
-def _progress(items: list, show: bool, desc: str) -> Any:
-    """``items`` behind a tqdm bar when asked and tqdm is installed (it comes with Jupyter), else as they are."""
-    if not show:
-        return items
-    try:
-        from tqdm.auto import tqdm  # optional: this module needs only the standard library and numpy
-    except ImportError:
-        return items
-    return tqdm(items, desc=desc, leave=False)
 
 
 # ----------------------------------------------------------------------------- the replay loop

@@ -17,11 +17,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from . import engine, llama_phases
 from .llama import Llama, RMSNorm, iter_linears
@@ -130,7 +131,7 @@ class VariantTable:
         for name, r in self.rows.items():  # warm-up: one short untimed run each
             engine.decode_speed(r.model, ids, 2, repeats=1, warmup=0)
         samples: dict[str, list[float]] = {name: [] for name in self.rows}
-        for _ in range(repeats):
+        for _ in tqdm(range(repeats), desc="rounds of every variant", leave=False):
             if between is not None:
                 between()
             for name, r in self.rows.items():
