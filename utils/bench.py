@@ -116,13 +116,14 @@ def fast_rows_at(lm: LoadedModel, forms: dict[str, Llama], context: int, new_tok
     bf16 = forms["bfloat16"]
     hf_bf16 = lm.model if lm.dtype == torch.bfloat16 else copy.deepcopy(lm.model).to(torch.bfloat16)
     rows = [decode_table.eager_row("transformers", m, ids, n, weights=str(m.dtype).removeprefix("torch."),
-                           repeats=repeats, bytes_per_token=decode_table.step_bytes(bf16, context + n // 2) * m.dtype.itemsize / 2)
+                                   repeats=repeats,
+                                   bytes_per_token=decode_table.step_bytes(bf16, context + n // 2) * m.dtype.itemsize / 2)
             for m in [lm.model] + ([hf_bf16] if hf_bf16 is not lm.model else [])]
     eager = decode_table.eager_row("hand-written eager loop", bf16, ids, n, weights="bfloat16", repeats=repeats,
-                           bytes_per_token=decode_table.step_bytes(bf16, context + n // 2))
+                                   bytes_per_token=decode_table.step_bytes(bf16, context + n // 2))
     static = decode_table.decoder_row("static cache + hot loop", fast.FastDecoder.build(bf16, length, compiled=False),
-                              ids, n, weights="bfloat16", reference=torch.tensor(eager.tokens),
-                              what="eager bf16", repeats=repeats)
+                                      ids, n, weights="bfloat16", reference=torch.tensor(eager.tokens),
+                                      what="eager bf16", repeats=repeats)
     rows += [eager, static]
     for weights in (list(forms) if compiled is None else compiled):  # each against its own model's eager step
         model = forms[weights]
@@ -131,7 +132,7 @@ def fast_rows_at(lm: LoadedModel, forms: dict[str, Llama], context: int, new_tok
         what = f"static eager {weights.split()[0]}"
         decoder = fast.FastDecoder.build(model, length, compiled=True, label=weights)
         rows.append(decode_table.decoder_row("compiled step", decoder, ids, n, weights=weights,
-                                     reference=reference, what=what, repeats=repeats))
+                                             reference=reference, what=what, repeats=repeats))
     return rows
 
 
