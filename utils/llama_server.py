@@ -184,8 +184,12 @@ class LlamaServer:
         self.threads = threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or (os.cpu_count() or 1)
         self.start_timeout_s = check_number(start_timeout_s, "start_timeout_s", "s")
         self.port = 0
-        self.log = REPO_ROOT / ".cache" / "llama-server.log"  # one per port once started (servers may run at once)
         self._proc: subprocess.Popen | None = None
+
+    @property
+    def log(self) -> Path:
+        """The server's output: one file per port, as several servers may run at once."""
+        return REPO_ROOT / ".cache" / f"llama-server.{self.port}.log"
 
     @property
     def url(self) -> str:
@@ -203,7 +207,6 @@ class LlamaServer:
 
     def __enter__(self) -> "LlamaServer":
         self.port = free_port()
-        self.log = REPO_ROOT / ".cache" / f"llama-server.{self.port}.log"
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "w") as out:
             self._proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT,
