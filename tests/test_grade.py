@@ -8,7 +8,6 @@ and in full, by execution, under the ``grade_full`` marker (``make test-grade``)
 from __future__ import annotations
 
 import csv
-import json
 import shutil
 import sys
 from pathlib import Path

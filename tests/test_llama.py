@@ -16,6 +16,7 @@ from utils import engine as E
 from utils import llama as L
 from utils import llama_phases as P
 from utils.sampling import Sampling
+from utils.shapes import llama_param_count
 from utils.errors import (
     EmptyPromptError,
     InvalidTokenCountError,
@@ -164,7 +165,7 @@ def test_projections_are_swappable(model):
         with pytest.raises(KeyError, match="not a projection"):
             L.replace_linear(model, "layers.0.mlp.nope", old)
         with pytest.raises(ValueError, match="in_features"):
-            L.replace_linear(model, "layers.0.attn.o_proj", nn.Linear(3, model.args.dim))
+            L.replace_linear(model, "layers.0.attn.o_proj", nn.Linear(3, model.args.hidden_size))
     finally:
         L.replace_linear(model, "layers.0.mlp.down_proj", old)
 
@@ -228,6 +229,17 @@ def tiny(kind: str) -> nn.Module:
         cfg, cls = tf.MistralConfig(**common, sliding_window=5, head_dim=24), tf.MistralForCausalLM
     torch.manual_seed(0)
     return cls(cfg).eval()
+
+
+@pytest.mark.parametrize("kind", ["llama3-untied-bias", "qwen2", "mistral"])
+def test_the_shape_read_off_a_model_counts_its_parameters(kind):
+    hf = tiny(kind)
+    shape = L.args_from_hf(hf)
+    counted = sum(p.numel() for p in hf.parameters())
+    assert shape.n_params == counted == llama_param_count(shape)  # the formula knows biases, GQA, tying
+    assert shape.changed().n_params == counted  # counted again from the shape alone
+    assert shape.qkv_bias == (kind != "mistral") and shape.mlp_bias == (kind == "llama3-untied-bias")
+    assert shape.windows == ((5, 5) if kind == "mistral" else ())
 
 
 @pytest.mark.parametrize("kind", ["llama3-untied-bias", "qwen2", "mistral"])

@@ -11,17 +11,17 @@ from utils import batching, engine
 from utils import long_context as LC
 from utils.errors import OutOfMemoryError, WorkbookError
 from utils.decode_table import NEAR_TIE, divergence
-from utils.llama import LlamaArgs
 from utils.llama_phases import forward_no_cache
+from utils.shapes import ModelShape, by_name
 from utils.variants import perplexity
 
 ROPE = {"rope_type": "default", "rope_theta": 10_000.0}
 
 
-def tiny_args(**kw) -> LlamaArgs:
-    base = dict(architecture="LlamaForCausalLM", vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                head_dim=16, hidden_dim=88, norm_eps=1e-5, rope=ROPE, max_context=256, tied_embeddings=False)
-    return LlamaArgs(**{**base, **kw})
+def tiny_args(**kw) -> ModelShape:
+    base = dict(name="tiny", vocab_size=96, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                head_dim=16, intermediate_size=88, rope=ROPE, max_context=256, tied_embeddings=False)
+    return ModelShape(**{**base, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -147,20 +147,28 @@ def test_a_new_prompt_does_not_see_the_last_request(model):
 # ----------------------------------------------------------------------------- shapes, crossover, errors
 
 
-def test_shape_args_and_the_crossover():
-    a = LC.shape_args("llama-3.2-1b", n_kv_heads=1)
-    assert (a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim, a.dim) == (16, 32, 1, 64, 2048)
+def test_a_changed_shape_and_the_crossover():
+    a = by_name("llama-3.2-1b", n_kv_heads=1)
+    assert (a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_size) == (16, 32, 1, 64, 2048)
     assert LC.crossover_context(16e9, 131_072) == pytest.approx(122_070.3, rel=1e-6)
     assert LC.crossover_context(16e9, 131_072, batch=8) == pytest.approx(122_070.3 / 8, rel=1e-6)
     assert LC.step_seconds(1e9, 1e5, 10_000, 1e10) == pytest.approx(0.2)
     with pytest.raises(WorkbookError, match="divide"):
-        LC.shape_args("llama-3.2-1b", n_kv_heads=5)
+        by_name("llama-3.2-1b", n_kv_heads=5)
 
 
 def test_too_large_is_refused_with_the_numbers():
     with pytest.raises(OutOfMemoryError, match="GB"):
-        LC.random_llama(LC.shape_args("llama-3.1-8b", n_layers=400))
+        LC.random_llama(by_name("llama-3.1-8b", n_layers=400))
     with pytest.raises(WorkbookError):
         LC.fill_cache(LC.random_llama(tiny_args()), LC.random_llama(tiny_args()).new_cache(1, 4), 5)
     with pytest.raises(WorkbookError):
         LC.with_int8_kv(object())
+
+
+def test_a_random_model_has_its_shapes_parameters_tied_or_not():
+    for tied in (True, False):
+        shape = tiny_args(tied_embeddings=tied)
+        m = LC.random_llama(shape)
+        assert (m.lm_head.weight is m.embed.weight) is tied
+        assert sum(p.numel() for p in m.parameters()) == shape.n_params

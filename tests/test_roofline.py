@@ -268,13 +268,6 @@ def test_ceiling_speeds_rejects_bad_input():
         rl.ceiling_speeds(8e9, 2, 989e12, 3.35e12, bytes_read_per_token=-1)
 
 
-def test_reference_model_shapes():
-    assert rl.LLAMA3_8B.kv_bytes_per_token(2) == 131_072  # 128 KiB per token in bf16
-    assert 14.9e9 < rl.LLAMA3_8B.weight_bytes_read_per_token(2) < 15.1e9  # untied: ~15.0 of 16.06 GB read
-    assert rl.LLAMA3_70B.kv_bytes_per_token(2) == 327_680  # 320 KiB per token
-    assert rl.LLAMA3_70B.n_params * 2 > 141e9  # the real 70B's bf16 weights exceed an H200's 141 GB
-
-
 def test_max_sequences_is_memory_over_kv_per_sequence():
     from utils.roofline import kv_bytes_per_token, max_sequences
 
@@ -370,15 +363,6 @@ def test_prefill_fit_leaves_attention_out_below_four_lengths_and_refuses_falling
     assert rl.fit_prefill_time([64, 64], [0.1, 0.1]).per_token_s == pytest.approx(0.1 / 64)
     with pytest.raises(WorkbookError, match="do not grow"):
         rl.fit_prefill_time([10, 100, 1000], [0.2, 0.1, 0.15])
-
-
-def test_one_prefill_ceiling_for_llama3_8b():
-    # every prompt token goes through all but the untied embedding and LM head; the head runs once
-    P = rl.LLAMA3_8B.prefill_params()
-    assert P == rl.LLAMA3_8B.n_params - 2 * 128_256 * 4_096
-    assert round(rl.prefill_ceiling_tok_s(989.4e12, P)) == 70_878  # the H100 figure chapters 03, 06 and 07 print
-    assert rl.LLAMA3_8B.pass_flops(1000) == pytest.approx(
-        2 * P * 1000 + rl.attention_flops(32, 4096, 1000) + 2 * 128_256 * 4_096)
 
 
 def test_linear_bytes_counts_weights_and_their_scales():

@@ -5,13 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
-from utils import llama as L
 from utils import simulator as S
 from utils.errors import WorkbookError
 from utils.hardware import accelerator
-from utils.roofline import LLAMA3_8B
+from utils.shapes import LLAMA3_8B
 from utils.requests import Request, Sequence, synthetic_trace
 
 
@@ -56,11 +54,11 @@ def test_a_preempted_step_cannot_make_more_rows_cheaper_than_fewer():
 
 def test_accelerator_costs_are_the_roofline():
     h100 = accelerator("H100")
-    c = S.costs_from_accelerator(h100, LLAMA3_8B, bytes_per_param=2, efficiency=0.5)
+    c = S.costs_from_accelerator(h100, LLAMA3_8B, efficiency=0.5)
     assert c.prefill_s(1000) == pytest.approx(2 * LLAMA3_8B.prefill_params() * 1000 / (h100.bf16_dense_flops * 0.5))
-    memory_s = LLAMA3_8B.weight_bytes_read_per_token(2) / h100.bandwidth_bytes_s / 0.5
+    memory_s = LLAMA3_8B.weight_bytes_read_per_token / h100.bandwidth_bytes_s / 0.5
     assert c.decode_step_s(1) == pytest.approx(memory_s) and c.decode_step_s(8) == pytest.approx(memory_s)
-    assert c.decode_step_s(2000) == pytest.approx(2 * LLAMA3_8B.weight_bytes_read_per_token(1) * 2000 / (h100.bf16_dense_flops * 0.5))
+    assert c.decode_step_s(2000) == pytest.approx(2 * LLAMA3_8B.stored_in(1).weight_bytes_read_per_token * 2000 / (h100.bf16_dense_flops * 0.5))
     assert c.kv_bytes_per_token == 131_072
 
 
@@ -292,11 +290,11 @@ def test_goodput_is_the_load_where_attainment_falls_through_the_target():
 
 def test_accelerator_decode_steps_read_every_rows_kv_cache():
     h100 = accelerator("H100")
-    kv = LLAMA3_8B.kv_bytes_per_token(2)
-    weights = LLAMA3_8B.weight_bytes_read_per_token(2)
-    c = S.costs_from_accelerator(h100, LLAMA3_8B, bytes_per_param=2, efficiency=1.0, context_tokens=1000)
+    kv = LLAMA3_8B.kv_bytes_per_token
+    weights = LLAMA3_8B.weight_bytes_read_per_token
+    c = S.costs_from_accelerator(h100, LLAMA3_8B, efficiency=1.0, context_tokens=1000)
     for b in (1, 8, 64, 256):  # bandwidth-bound at 1k tokens: weights + every row's KV, read once per step
         assert c.decode_step_s(b) == pytest.approx((weights + b * 1000 * kv) / h100.bandwidth_bytes_s)
     assert 256 * 1000 * kv / weights > 2  # the figure: 256 rows of 1k tokens read 2.2x the weights
-    flat = S.costs_from_accelerator(h100, LLAMA3_8B, bytes_per_param=2, efficiency=1.0)
+    flat = S.costs_from_accelerator(h100, LLAMA3_8B, efficiency=1.0)
     assert c.decode_step_s(256) > 3 * flat.decode_step_s(256) and c.prefill_s(1000) == flat.prefill_s(1000)

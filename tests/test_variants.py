@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from utils.quant import Int4Linear, Int8Linear, stored_bytes
+from utils.quant import Int4Linear, Int8Linear
 
 # ----------------------------------------------------------------------------- judging a quantized model
 

@@ -6,6 +6,7 @@ modules listed before it (``tests/test_layering.py`` checks it).
 - ``errors``        the clear errors raised on bad input, and the one validator of counts and sizes
 - ``results``       the figures a run measured: ``record()`` for the notebooks, the results schema, load
 - ``roofline``      the arithmetic: ceilings, intensity, attention FLOPs, KV bytes, time and price
+- ``shapes``        a model's shape: one type for every model (published, loaded, hand-written), one registry
 - ``device``        device and dtype policy; device memory and whether something fits
 - ``timing``        warm-up, repeats, median and spread, noise flagged; interleaved A/B; profiles
 - ``decide``        the one rule for timing checks: decided when the prediction clears the noise, else "not decided here"
@@ -53,7 +54,7 @@ for _name in ("torchao", "torch.utils._pytree"):
 
 __version__ = "0.1.0"
 
-MODULE_ORDER = ("errors", "results", "roofline", "device", "timing", "decide", "hardware", "plotting", "tokens", "sampling",
+MODULE_ORDER = ("errors", "results", "roofline", "shapes", "device", "timing", "decide", "hardware", "plotting", "tokens", "sampling",
                 "models", "peer", "llama", "phases", "llama_phases", "engine", "requests", "blocks", "scheduler", "executors", "batching", "simulator", "paged", "long_context", "meter", "openai_client", "load_generator", "llama_server", "verdicts", "quant", "variants", "fast", "decode_table", "speculative", "checks",
                 "chapter", "bench", "report", "grade")
 """The package's modules, bottom to top: each imports only modules before it."""

@@ -29,7 +29,7 @@ Supported: LlamaForCausalLM, MistralForCausalLM (sliding window), Qwen2ForCausal
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import dataclasses
 from typing import Any, Iterator
 
 import torch
@@ -38,7 +38,9 @@ from torch import Tensor, nn
 
 from .device import check_fits
 from .errors import UnsupportedArchitectureError
+from .models import model_spec
 from .roofline import kv_cache_bytes
+from .shapes import ModelShape
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -47,28 +49,6 @@ BLOCK_LINEARS = ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_p
 
 
 # ----------------------------------------------------------------------------- shapes
-
-
-@dataclass(frozen=True)
-class LlamaArgs:
-    """The numbers that define the architecture (read off a transformers config)."""
-
-    architecture: str
-    vocab_size: int
-    dim: int  # hidden size, d_model
-    n_layers: int
-    n_heads: int  # query heads
-    n_kv_heads: int  # key/value heads; n_heads // n_kv_heads queries share each
-    head_dim: int
-    hidden_dim: int  # MLP intermediate size
-    norm_eps: float
-    rope: dict  # the config's rope_parameters: rope_theta, rope_type, ...
-    max_context: int  # max_position_embeddings
-    qkv_bias: bool = False  # Qwen2: True
-    o_bias: bool = False
-    mlp_bias: bool = False
-    tied_embeddings: bool = True
-    windows: tuple[int | None, ...] = ()  # per layer: sliding-window size, or None (full)
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -170,13 +150,13 @@ class Attention(nn.Module):
     ``qkv_proj`` is q, k and v fused into one matrix: one matmul reads the input once.
     """
 
-    def __init__(self, args: LlamaArgs, window: int | None = None) -> None:
+    def __init__(self, args: ModelShape, window: int | None = None) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.window = window  # sliding-window size (Mistral, some Qwen2 layers), None = full
         qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-        self.qkv_proj = nn.Linear(args.dim, qkv_out, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        self.qkv_proj = nn.Linear(args.hidden_size, qkv_out, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.hidden_size, bias=args.o_bias)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor,
                 cache: "KVCache", layer: int, slots: Tensor) -> Tensor:
@@ -197,10 +177,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``; gate and up fused into one matmul."""
 
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: ModelShape) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(args.dim, 2 * args.hidden_dim, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.hidden_dim, args.dim, bias=args.mlp_bias)
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B, T, hidden_dim] each
@@ -210,11 +190,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, args: LlamaArgs, window: int | None = None) -> None:
+    def __init__(self, args: ModelShape, window: int | None = None) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attn_norm = RMSNorm(args.hidden_size, args.norm_eps)
         self.attn = Attention(args, window)
-        self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp_norm = RMSNorm(args.hidden_size, args.norm_eps)
         self.mlp = MLP(args)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor,
@@ -376,15 +356,15 @@ class StaticKVCache(KVCache):
 class Llama(nn.Module):
     """Embedding, ``n_layers`` blocks, final norm, LM head (tied to the embedding or not)."""
 
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: ModelShape) -> None:
         super().__init__()
         self.args = args
         windows = args.windows or (None,) * args.n_layers
-        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
         self.rope = Rotary(rope_inv_freq(args.head_dim, args.rope))
         self.layers = nn.ModuleList(Block(args, w) for w in windows)
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.norm = RMSNorm(args.hidden_size, args.norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tied_embeddings:
             self.lm_head.weight = self.embed.weight
 
@@ -444,8 +424,9 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x))  # [B, T, vocab]
 
 
-def args_from_hf(hf_model: Any) -> LlamaArgs:
-    """Read :class:`LlamaArgs` off a transformers model; refuse architectures we do not implement."""
+def args_from_hf(hf_model: Any) -> ModelShape:
+    """Read the shape off a transformers model (:func:`utils.models.model_spec`), with the biases its layers
+    carry; refuse architectures we do not implement."""
     arch = type(hf_model).__name__
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
@@ -455,20 +436,12 @@ def args_from_hf(hf_model: Any) -> LlamaArgs:
     cfg, layer0 = hf_model.config, hf_model.model.layers[0]
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise UnsupportedArchitectureError(f"{arch} with hidden_act={cfg.hidden_act!r}: only silu is implemented.")
-    attn, n_heads = layer0.self_attn, cfg.num_attention_heads
-    window = getattr(cfg, "sliding_window", None)
-    kinds = getattr(cfg, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * cfg.num_hidden_layers
-    return LlamaArgs(
-        architecture=arch, vocab_size=cfg.vocab_size, dim=cfg.hidden_size,
-        n_layers=cfg.num_hidden_layers, n_heads=n_heads,
-        n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
-        head_dim=attn.q_proj.out_features // n_heads, hidden_dim=cfg.intermediate_size,
-        norm_eps=cfg.rms_norm_eps, rope=dict(cfg.rope_parameters),
-        max_context=cfg.max_position_embeddings,
+    attn = layer0.self_attn
+    return dataclasses.replace(
+        model_spec(hf_model, getattr(cfg, "_name_or_path", "") or arch), architecture=arch,
+        head_dim=attn.q_proj.out_features // cfg.num_attention_heads,
         qkv_bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
-        mlp_bias=layer0.mlp.down_proj.bias is not None,
-        tied_embeddings=hf_model.lm_head.weight is hf_model.model.embed_tokens.weight,
-        windows=tuple(window if k == "sliding_attention" else None for k in kinds))
+        mlp_bias=layer0.mlp.down_proj.bias is not None)
 
 
 def _param(*tensors: Tensor | None) -> nn.Parameter | None:

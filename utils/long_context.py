@@ -5,8 +5,8 @@ attention scores grow with the square of the prompt. The pieces chapter 08 measu
 
 - :func:`crossover_context`, :func:`step_seconds`: where KV reads equal weight reads, and the
   predicted step time ``(weight bytes + KV bytes/token x context) / bandwidth``;
-- :func:`shape_args`, :func:`random_llama`, :func:`fill_cache`: a hand-written Llama of any
-  shape (e.g. a shape-only model with 1, 4 or all KV heads) with random weights, refused with
+- :func:`random_llama`, :func:`fill_cache`: a hand-written Llama of any shape
+  (:func:`utils.shapes.by_name`, e.g. a shape-only model with 1, 4 or all KV heads) with random weights, refused with
   the numbers when it does not fit, and a cache filled with random keys and values to time a
   step at a long context without prefilling it;
 - :class:`Int8KVCache`: keys and values stored as int8 with one float16 scale per token and
@@ -36,9 +36,10 @@ from torch.utils._pytree import tree_flatten
 
 from .device import check_fits, dtype_name
 from .errors import WorkbookError, check_count, check_number
-from .llama import KVCache, Llama, LlamaArgs, rope_inv_freq
-from .models import SHAPES, random_init_, shape_config
+from .llama import KVCache, Llama, rope_inv_freq
+from .models import random_init_
 from .roofline import decode_bytes_per_token, kv_bytes_per_token
+from .shapes import ModelShape
 
 INT8_MAX = 127
 SCALE_DTYPE = torch.float16  # one scale per token and head: 2 bytes beside head_dim int8 bytes
@@ -68,43 +69,20 @@ def step_seconds(weight_bytes_read: float, kv_bytes_per_token_: float, context: 
 # ----------------------------------------------------------------------------- models of any shape
 
 
-def shape_args(name: str, n_layers: int | None = None, vocab_size: int | None = None,
-               **overrides: Any) -> LlamaArgs:
-    """The :class:`LlamaArgs` of shape-only model ``name`` (:data:`utils.models.SHAPES`), optionally changed:
-    ``n_kv_heads=1`` makes it multi-query, ``n_kv_heads=n_heads`` multi-head; fewer layers or a smaller
-    vocabulary make a slice of it that fits a small machine."""
-    cfg = shape_config(name)
-    n_heads = cfg.num_attention_heads
-    args = dict(architecture="LlamaForCausalLM", vocab_size=vocab_size or cfg.vocab_size, dim=cfg.hidden_size,
-                n_layers=n_layers or cfg.num_hidden_layers, n_heads=n_heads, n_kv_heads=cfg.num_key_value_heads,
-                head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads,
-                hidden_dim=cfg.intermediate_size, norm_eps=cfg.rms_norm_eps, rope=dict(cfg.rope_parameters),
-                max_context=cfg.max_position_embeddings, tied_embeddings=cfg.tie_word_embeddings)
-    args.update(overrides)
-    if n_heads % args["n_kv_heads"]:
-        raise WorkbookError(f"n_kv_heads={args['n_kv_heads']} must divide the {n_heads} query heads.")
-    return LlamaArgs(**args)
-
-
-def n_params(args: LlamaArgs) -> int:
-    """Parameters of a :class:`Llama` with these args (counted on a model with no memory)."""
-    with torch.device("meta"):
-        model = Llama(args)
-    return sum(p.numel() for p in model.parameters())
-
-
-def random_llama(args: LlamaArgs, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+def random_llama(args: ModelShape, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  seed: int = 0) -> Llama:
     """A hand-written Llama of shape ``args`` with random weights (:func:`utils.models.random_init_`).
 
     Raises :class:`~utils.errors.OutOfMemoryError` with the numbers when its weights do not fit.
     Its tokens mean nothing; its speed is real: bytes are bytes.
     """
-    device, count = torch.device(device), n_params(args)
+    device, count = torch.device(device), args.n_params
     check_fits(count * dtype.itemsize, device, what=f"a {count / 1e9:.2f} B-parameter model in {dtype_name(dtype)}", weights=True)
     with torch.device("meta"):  # sizes only: memory comes with to_empty, in the final dtype
         model = Llama(args)
     model = model.to_empty(device=device).to(dtype)
+    if args.tied_embeddings:  # to_empty gives each module its own tensor: tie them again
+        model.lm_head.weight = model.embed.weight
     random_init_(model, seed)
     model.rope.inv_freq = rope_inv_freq(args.head_dim, args.rope).to(device)  # float32, computed, not random
     return model.eval()

