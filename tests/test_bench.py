@@ -50,3 +50,20 @@ def test_a_server_row_is_measured_over_http_and_a_missing_server_is_a_note(lm, m
     monkeypatch.setenv("WORKBOOK_LLAMA_SERVER", str(tmp_path / "nowhere"))
     with bench.serving("llama.cpp", lm, 64) as (url, why):
         assert url is None and "not an executable file" in why
+
+
+def test_a_rows_fall_with_context_is_judged_against_its_bytes(capsys):
+    def row(weights, context, tok_s, mb, spread=0.02):
+        return {"name": "compiled step", "weights": weights, "context": context, "tok_s": tok_s,
+                "bytes_per_token": mb * 1e6, "spread": spread, "compile_s": 12.0 if context == 128 else 25.0}
+    rows = [row("bfloat16", 128, 65.0, 273), row("bfloat16", 1024, 57.4, 293),  # falls 12%, bytes predict 7%
+            row("int4", 128, 90.0, 98), row("int4", 1024, 30.6, 119),  # falls 66%: something grows beyond bytes
+            {**row("bfloat16", 1024, 50.0, 293), "name": "transformers"}]
+    drops = {d["weights"]: d for d in bench.context_drops(rows)}
+    assert drops["bfloat16"]["predicted_by_bytes"] == round(273 / 293, 3) and drops["bfloat16"]["measured"] == round(57.4 / 65, 3)
+    assert not drops["int4"]["met"] and not drops["bfloat16"]["met"]  # 0.883 < 0.932 x (1 - 0.04)
+    assert bench.context_drops([row("bfloat16", 128, 65.0, 273), row("bfloat16", 1024, 62.0, 293)])[0]["met"]
+    bench.print_targets({"kernel_GBps": {}, "targets": {}, "rows": rows, "context_drops": list(drops.values())})
+    out = capsys.readouterr().out
+    assert "int4: tok/s at 1,024 / at 128 = 0.34, its bytes predict 0.82 (not met" in out
+    assert "not met for bfloat16 @1024 (25 s), int4 @1024 (25 s)" in out

@@ -139,6 +139,27 @@ def fast_rows_at(lm: LoadedModel, forms: dict[str, Llama], context: int, new_tok
 TARGETS = {"bf16 share of ceiling": 0.8, "bf16 over transformers bf16": 3.5, "quantized over llama.cpp": 1.2}
 """The issue's targets for the fast path, as ratios within one run."""
 
+COLD_COMPILE_S = 20.0
+"""The issue's target for one variant's first compile on 2 cores (a learner waits through each in the roofline lab)."""
+
+
+def context_drops(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each compiled row's speed at the longest context over its speed at the shortest: measured, and predicted
+    by the bytes a step reads (``bytes short / bytes long``: a step that only reads grows with its bytes).
+    Met when the measured ratio is no lower than the prediction less the two timings' spreads."""
+    compiled = [r for r in rows if r["name"] == "compiled step"]
+    short, long = min(r["context"] for r in rows), max(r["context"] for r in rows)
+    out = []
+    for r in (r for r in compiled if r["context"] == long):
+        s = next((x for x in compiled if x["context"] == short and x["weights"] == r["weights"]), None)
+        if s is None or short == long:
+            continue
+        measured, predicted = r["tok_s"] / s["tok_s"], s["bytes_per_token"] / r["bytes_per_token"]
+        out.append({"weights": r["weights"], "contexts": [short, long], "measured": round(measured, 3),
+                    "predicted_by_bytes": round(predicted, 3),
+                    "met": measured >= predicted * (1 - r.get("spread", 0) - s.get("spread", 0))})
+    return out
+
 
 def targets_at(rows: list[decode_table.Row], bandwidth: float) -> dict[str, Any]:
     """The fast path against :data:`TARGETS` at one context (None where a row is missing)."""
@@ -186,6 +207,7 @@ def run_fast_path(lm: LoadedModel, contexts: list[int], new_tokens: int, repeats
             print(f"{context:>7}  server: {out['server']}")
         out["rows"] += [r.as_dict(bandwidth, baseline.tok_s) for r in rows]
         out["targets"][str(context)] = targets_at(rows, bandwidth)
+    out["context_drops"] = context_drops(out["rows"])
     return out
 
 
@@ -249,6 +271,15 @@ def print_targets(fp: dict[str, Any]) -> None:
             v = got.get(name)
             parts.append(f"{name} {'n/a' if v is None else v} ({'no row' if v is None else 'met' if v >= floor else 'not met'}, target {floor})")
         print(f"targets @{context:>5}  " + "; ".join(parts))
+    for d in fp.get("context_drops", []):
+        (short, long), ok = d["contexts"], "met" if d["met"] else "not met"
+        print(f"targets      {d['weights']}: tok/s at {long:,} / at {short:,} = {d['measured']:.2f}, its bytes predict "
+              f"{d['predicted_by_bytes']:.2f} ({ok}: it may fall no more than its KV bytes predict)")
+    slow = {f"{r['weights']} @{r['context']}": r["compile_s"] for r in fp["rows"] if r.get("compile_s")}
+    over = {k: v for k, v in slow.items() if v > COLD_COMPILE_S}
+    print(f"targets      compile <= {COLD_COMPILE_S:.0f} s per variant (its first call in this process): "
+          + ("met" if not over else "not met for " + ", ".join(f"{k} ({v:.0f} s)" for k, v in over.items()))
+          + f"; slowest {max(slow.values(), default=0):.0f} s")
 
 
 def print_table(r: dict[str, Any]) -> None:

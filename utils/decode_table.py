@@ -56,7 +56,8 @@ class Row:
                 "tok_s": round(self.tok_s, 2), "bytes_per_token": int(self.bytes_per_token),
                 "share_of_ceiling": round(self.share(bandwidth), 3),
                 "speedup": round(self.tok_s / baseline_tok_s, 2), "agree": self.agree,
-                "compile_s": None if self.compile_s is None else round(self.compile_s, 1), "noisy": self.noisy}
+                "compile_s": None if self.compile_s is None else round(self.compile_s, 1), "noisy": self.noisy,
+                "spread": round(self.spread, 3)}
 
 
 def step_bytes(model: Llama, context: int) -> float:
@@ -110,6 +111,10 @@ def decoder_row(name: str, decoder: FastDecoder, ids: Tensor, n_tokens: int, *, 
     tokens = decoder.generate(ids, n_tokens)[0]
     result = fast_decode_speed(decoder, ids, n_tokens, repeats=repeats)
     agree = agreement_column(tokens, reference, what) if reference is not None else ""
+    split = divergence(decoder.model, ids, tokens.tolist(), reference.tolist()) if reference is not None else None
+    if split is not None:  # say why they part: a near-tie rounded the other way, or a real difference
+        agree += f" (at token {split[0]} the picks' logits differ by {split[1]:.2%} of the largest: " + (
+            "a near-tie)" if split[1] < NEAR_TIE else f"NOT a near-tie, over {NEAR_TIE:.0%})")
     return Row(name, weights, ids.shape[-1], result.tok_s, step_bytes(decoder.model, ids.shape[-1] + n_tokens // 2),
                agree, decoder.compile_s if decoder.compiled else None, result.timing.noisy, tokens.tolist(),
                result.timing.relative_spread)
