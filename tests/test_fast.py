@@ -125,6 +125,24 @@ def test_a_row_that_parts_from_its_reference_says_where_and_by_what_gap(model):
     assert parted.agree.endswith("a near-tie)" if gap < decode_table.NEAR_TIE else "NOT a near-tie, over 2%)")
 
 
+def test_float_weights_on_a_wide_cpu_compile_with_the_gemm_templates_only(model, monkeypatch):
+    from torch._inductor import config as inductor_config
+    from torch._inductor import cpu_vec_isa
+
+    wide = cpu_vec_isa.pick_vec_isa().bit_width() >= 512
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM_BACKENDS", raising=False)
+    assert fast.cpu_gemm_backends(model) == ("CPP" if wide else None)
+    assert fast.cpu_gemm_backends(quant.quantized_copy(model, 8, 8)) is None  # int8: the default, measured
+    monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM_BACKENDS", "ATEN")
+    assert fast.cpu_gemm_backends(model) is None  # the user's own choice stands
+    seen = []
+    run = fast._first_call_with(lambda x: seen.append(inductor_config.max_autotune_gemm_backends) or x,
+                                max_autotune_gemm_backends="CPP")
+    run(1), run(2)
+    assert seen[0] == "CPP" and seen[1] == inductor_config.max_autotune_gemm_backends != "CPP"
+
+
 def test_an_imitated_cpu_compiles_without_gemm_templates(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv("WORKBOOK_COMPILE_MODE", raising=False)

@@ -48,9 +48,6 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 BLOCK_LINEARS = ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
-# ----------------------------------------------------------------------------- shapes
-
-
 # ----------------------------------------------------------------------------- RoPE
 
 
@@ -183,7 +180,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B, T, hidden_dim] each
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B, T, intermediate_size] each
         return self.down_proj(F.silu(gate) * up)
 
 
