@@ -116,12 +116,12 @@ def test_a_row_that_parts_from_its_reference_says_where_and_by_what_gap(model):
     want = engine.generate(model, IDS, 6)[0]
     decoder = fast.FastDecoder.build(model, 32, compiled=False)
     same = decode_table.decoder_row("static", decoder, IDS, 6, weights="float32", reference=want, what="eager", repeats=1)
-    assert same.agree == "6/6 vs eager"
+    assert same.agree == "6/6 vs eager" and same.split is None
     wrong = want.clone()
     wrong[3] = (wrong[3] + 1) % 90
     i, gap = decode_table.divergence(model, IDS, want.tolist(), wrong.tolist())
     parted = decode_table.decoder_row("static", decoder, IDS, 6, weights="float32", reference=wrong, what="eager", repeats=1)
-    assert parted.agree.startswith(f"3/6 vs eager (at token 3 the picks' logits differ by {gap:.2%} of the largest: ")
+    assert parted.split == (i, gap) and parted.agree.startswith(f"3/6 vs eager (at token 3 the picks' logits differ by {gap:.2%} of the largest: ")
     assert parted.agree.endswith("a near-tie)" if gap < decode_table.NEAR_TIE else "NOT a near-tie, over 2%)")
 
 

@@ -150,9 +150,9 @@ def context_drops(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     compiled = [r for r in rows if r["name"] == "compiled step"]
     short, long = min(r["context"] for r in rows), max(r["context"] for r in rows)
     out = []
-    for r in (r for r in compiled if r["context"] == long):
+    for r in (r for r in compiled if r["context"] == long and long > short):
         s = next((x for x in compiled if x["context"] == short and x["weights"] == r["weights"]), None)
-        if s is None or short == long:
+        if s is None:
             continue
         measured, predicted = r["tok_s"] / s["tok_s"], s["bytes_per_token"] / r["bytes_per_token"]
         out.append({"weights": r["weights"], "contexts": [short, long], "measured": round(measured, 3),

@@ -46,6 +46,7 @@ class Row:
     tokens: list[int] = field(default_factory=list, repr=False)
     spread: float = 0.0  # relative spread (IQR / median) of the timed repeats, for utils.decide
     text: str = field(default="", repr=False)  # a peer's output as text (to compare a server's stream with)
+    split: tuple[int, float] | None = None  # where the tokens part from the reference, and the logit gap there
 
     def share(self, bandwidth: float) -> float:
         """Share of the ceiling ``bandwidth / bytes_per_token`` this row reaches."""
@@ -117,7 +118,7 @@ def decoder_row(name: str, decoder: FastDecoder, ids: Tensor, n_tokens: int, *, 
             "a near-tie)" if split[1] < NEAR_TIE else f"NOT a near-tie, over {NEAR_TIE:.0%})")
     return Row(name, weights, ids.shape[-1], result.tok_s, step_bytes(decoder.model, ids.shape[-1] + n_tokens // 2),
                agree, decoder.compile_s if decoder.compiled else None, result.timing.noisy, tokens.tolist(),
-               result.timing.relative_spread)
+               result.timing.relative_spread, split=split)
 
 
 def print_rows(rows: list[Row], bandwidth: float, baseline: Row) -> None:
