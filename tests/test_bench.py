@@ -67,3 +67,14 @@ def test_a_rows_fall_with_context_is_judged_against_its_bytes(capsys):
     out = capsys.readouterr().out
     assert "int4: tok/s at 1,024 / at 128 = 0.34, its bytes predict 0.82 (not met" in out
     assert "not met for bfloat16 @1024 (25 s), int4 @1024 (25 s)" in out
+    assert "(a second time: loaded from disk): no row" in out
+
+
+def test_the_compile_targets_judge_built_and_loaded_steps_apart(capsys):
+    rows = [{"weights": "bfloat16", "context": 128, "compile_s": 45.0, "compiled_how": "built", "reload_s": 0.8},
+            {"weights": "int4", "context": 128, "compile_s": 1.2, "compiled_how": "loaded", "reload_s": None},
+            {"weights": "int4", "context": 1024, "compile_s": 12.0, "compiled_how": "built", "reload_s": 6.5}]
+    bench.print_compile_targets(rows)
+    cold, warm = capsys.readouterr().out.splitlines()
+    assert "built here): not met for bfloat16 @128 (45 s); slowest 45.0 s" in cold  # a loaded step is not cold
+    assert "loaded from disk): not met for int4 @1024 (6 s); slowest 6.5 s" in warm

@@ -64,13 +64,50 @@ def test_a_recompile_is_explained(model):
     assert reasons and any("token" in r for r in reasons), reasons  # int32 ids: a new dtype, a new graph
 
 
-def test_inductor_compiled_step_makes_the_eager_tokens(model):
-    """The real compiler, on a tiny model (the short test setting): same greedy tokens, one compile."""
-    decoder = fast.FastDecoder.build(model, 64, compiled=True)
+@pytest.mark.parametrize("length", [64, 128])
+def test_inductor_compiled_step_makes_the_eager_tokens(model, length, tmp_path, monkeypatch):
+    """The real compiler, on a tiny model (the short test setting), at two cache lengths: same greedy tokens,
+    one compile; on a CPU the step is packaged once and a second decoder loads it instead of compiling."""
+    monkeypatch.setenv("WORKBOOK_STEP_CACHE", str(tmp_path))
+    decoder = fast.FastDecoder.build(model, length, compiled=True)
     before = fast.compile_count()
     assert torch.equal(decoder.generate(IDS, 16), engine.generate(model, IDS, 16))
     assert torch.equal(decoder.generate(IDS.flip(1), 16), engine.generate(model, IDS.flip(1), 16))
     assert fast.compile_count() - before == 1
+    if model.device.type == "cpu":
+        assert decoder.step.source == "built" and len(list(tmp_path.glob("*.pt2"))) == 1
+        again = fast.FastDecoder.build(model, length, compiled=True)
+        assert torch.equal(again.generate(IDS, 16), engine.generate(model, IDS, 16))
+        assert again.step.source == "loaded"
+        per_kind = fast.profile_step(again, IDS)  # a twin that records its kernels: matmuls and attention seen
+        assert per_kind.get("matmul", 0) > 0 and per_kind.get("attention", 0) > 0, per_kind
+
+
+def test_a_packaged_step_is_keyed_by_weights_and_shapes_not_the_caches_contents(model):
+    settings = fast.inductor_settings(fast.DecodeStep(model, model.new_cache(1, 64, static=True)))
+    key = fast.step_key(fast.DecodeStep(model, model.new_cache(1, 64, static=True)), settings)
+    filled = model.new_cache(1, 64, static=True)
+    filled.layer(0)[0].fill_(1.0)
+    assert fast.step_key(fast.DecodeStep(model, filled), settings) == key
+    assert fast.step_key(fast.DecodeStep(model, model.new_cache(1, 128, static=True)), settings) != key
+    other = quant.quantized_copy(model, bits=8, head_bits=8, dtype=torch.float32)
+    assert fast.step_key(fast.DecodeStep(other, other.new_cache(1, 64, static=True)), settings) != key
+    with torch.no_grad():
+        changed = Llama.from_hf(tiny_hf())
+        next(changed.parameters()).add_(1e-3)
+    assert fast.step_key(fast.DecodeStep(changed, changed.new_cache(1, 64, static=True)), settings) != key
+
+
+def test_the_step_cache_keeps_the_most_recently_used_packages(tmp_path):
+    import os
+
+    for i, name in enumerate(["old", "middle", "new"]):
+        (tmp_path / f"{name}.pt2").write_bytes(b"x" * 100)
+        os.utime(tmp_path / f"{name}.pt2", (1000 + i, 1000 + i))
+    fast.keep_recent_packages(tmp_path, max_bytes=250)
+    assert sorted(p.stem for p in tmp_path.glob("*.pt2")) == ["middle", "new"]
+    fast.keep_recent_packages(tmp_path, max_bytes=0)
+    assert [p.stem for p in tmp_path.glob("*.pt2")] == ["new"]  # the newest stays, whatever the limit
 
 
 @pytest.mark.parametrize("bits", [8, 4])

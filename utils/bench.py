@@ -132,7 +132,7 @@ def fast_rows_at(lm: LoadedModel, forms: dict[str, Llama], context: int, new_tok
         what = f"static eager {weights.split()[0]}"
         decoder = fast.FastDecoder.build(model, length, compiled=True, label=weights)
         rows.append(decode_table.decoder_row("compiled step", decoder, ids, n, weights=weights,
-                                             reference=reference, what=what, repeats=repeats))
+                                             reference=reference, what=what, repeats=repeats, reload=True))
     return rows
 
 
@@ -141,6 +141,9 @@ TARGETS = {"bf16 share of ceiling": 0.8, "bf16 over transformers bf16": 3.5, "qu
 
 COLD_COMPILE_S = 20.0
 """The issue's target for one variant's first compile on 2 cores (a learner waits through each in the roofline lab)."""
+
+WARM_COMPILE_S = 5.0
+"""The issue's target for the same variant compiled a second time, in a new process (a packaged step is loaded)."""
 
 
 def context_drops(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -275,11 +278,24 @@ def print_targets(fp: dict[str, Any]) -> None:
         (short, long), ok = d["contexts"], "met" if d["met"] else "not met"
         print(f"targets      {d['weights']}: tok/s at {long:,} / at {short:,} = {d['measured']:.2f}, its bytes predict "
               f"{d['predicted_by_bytes']:.2f} ({ok}: it may fall no more than its KV bytes predict)")
-    slow = {f"{r['weights']} @{r['context']}": r["compile_s"] for r in fp["rows"] if r.get("compile_s")}
-    over = {k: v for k, v in slow.items() if v > COLD_COMPILE_S}
-    print(f"targets      compile <= {COLD_COMPILE_S:.0f} s per variant (its first call in this process): "
-          + ("met" if not over else "not met for " + ", ".join(f"{k} ({v:.0f} s)" for k, v in over.items()))
-          + f"; slowest {max(slow.values(), default=0):.0f} s")
+    print_compile_targets(fp["rows"])
+
+
+def print_compile_targets(rows: list[dict[str, Any]]) -> None:
+    """The compile targets from this run: a step built here within :data:`COLD_COMPILE_S`, and one loaded from
+    disk (by this run's second decoder, or because an earlier run built it) within :data:`WARM_COMPILE_S`."""
+    compiled = [r for r in rows if r.get("compile_s")]
+    cold = {f"{r['weights']} @{r['context']}": r["compile_s"] for r in compiled if r.get("compiled_how") != "loaded"}
+    warm = {f"{r['weights']} @{r['context']}": r["compile_s"] if r.get("compiled_how") == "loaded" else r.get("reload_s")
+            for r in compiled}
+    for what, times, limit in [("cold: its first call in this process, built here", cold, COLD_COMPILE_S),
+                               ("a second time: loaded from disk", warm, WARM_COMPILE_S)]:
+        got = {k: v for k, v in times.items() if v is not None}
+        over = {k: v for k, v in got.items() if v > limit}
+        verdict = ("no row" if not got else "met" if not over
+                   else "not met for " + ", ".join(f"{k} ({v:.0f} s)" for k, v in over.items()))
+        print(f"targets      compile <= {limit:.0f} s per variant ({what}): {verdict}; "
+              f"slowest {max(got.values(), default=0):.1f} s")
 
 
 def print_table(r: dict[str, Any]) -> None:

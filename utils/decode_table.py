@@ -47,6 +47,8 @@ class Row:
     spread: float = 0.0  # relative spread (IQR / median) of the timed repeats, for utils.decide
     text: str = field(default="", repr=False)  # a peer's output as text (to compare a server's stream with)
     split: tuple[int, float] | None = None  # where the tokens part from the reference, and the logit gap there
+    compiled_how: str = ""  # a packaged step: "built" or "loaded" (utils.fast.PackagedStep); "" otherwise
+    reload_s: float | None = None  # a step built here, loaded again from disk by a new decoder (a second process's wait)
 
     def share(self, bandwidth: float) -> float:
         """Share of the ceiling ``bandwidth / bytes_per_token`` this row reaches."""
@@ -57,7 +59,9 @@ class Row:
                 "tok_s": round(self.tok_s, 2), "bytes_per_token": int(self.bytes_per_token),
                 "share_of_ceiling": round(self.share(bandwidth), 3),
                 "speedup": round(self.tok_s / baseline_tok_s, 2), "agree": self.agree,
-                "compile_s": None if self.compile_s is None else round(self.compile_s, 1), "noisy": self.noisy,
+                "compile_s": None if self.compile_s is None else round(self.compile_s, 1),
+                "compiled_how": self.compiled_how, "reload_s": None if self.reload_s is None else round(self.reload_s, 1),
+                "noisy": self.noisy,
                 "spread": round(self.spread, 3)}
 
 
@@ -105,10 +109,15 @@ def eager_row(name: str, model: Any, ids: Tensor, n_tokens: int, *, weights: str
 
 
 def decoder_row(name: str, decoder: FastDecoder, ids: Tensor, n_tokens: int, *, weights: str,
-                reference: Tensor | None = None, what: str = "", repeats: int = 3) -> Row:
-    """A row for a :class:`FastDecoder` (its first call, the compile, timed apart)."""
+                reference: Tensor | None = None, what: str = "", repeats: int = 3, reload: bool = False) -> Row:
+    """A row for a :class:`FastDecoder` (its first call, the compile, timed apart). ``reload``: if that call
+    built a package, time a new decoder loading it (what the next process waits)."""
     if decoder.compiled and not decoder.compile_s:
         decoder.warm_up(ids)
+    how = getattr(decoder.step, "source", "")
+    reload_s = (FastDecoder.build(decoder.model, decoder.cache.max_len, decoder.cache.batch,
+                                   mode=decoder.mode).warm_up(ids)
+                if reload and how == "built" else None)
     tokens = decoder.generate(ids, n_tokens)[0]
     result = fast_decode_speed(decoder, ids, n_tokens, repeats=repeats)
     agree = agreement_column(tokens, reference, what) if reference is not None else ""
@@ -118,19 +127,27 @@ def decoder_row(name: str, decoder: FastDecoder, ids: Tensor, n_tokens: int, *, 
             "a near-tie)" if split[1] < NEAR_TIE else f"NOT a near-tie, over {NEAR_TIE:.0%})")
     return Row(name, weights, ids.shape[-1], result.tok_s, step_bytes(decoder.model, ids.shape[-1] + n_tokens // 2),
                agree, decoder.compile_s if decoder.compiled else None, result.timing.noisy, tokens.tolist(),
-               result.timing.relative_spread, split=split)
+               result.timing.relative_spread, split=split, compiled_how=how, reload_s=reload_s)
 
 
 def print_rows(rows: list[Row], bandwidth: float, baseline: Row) -> None:
     """The table: tok/s, MB read per token, share of the ceiling, speed-up over ``baseline``, agreement, compile s."""
     print(f"{'context':>7}  {'row':<34} {'weights':<20} {'tok/s':>7} {'MB/tok':>7} {'ceiling':>8} "
-          f"{'speed-up':>8}  {'compile':>8}  greedy tokens")
+          f"{'speed-up':>8}  {'compile':>20}  greedy tokens")
     for r in rows:
-        compile_s = f"{r.compile_s:.0f} s" if r.compile_s else ""
+        compile_s = compile_column(r)
         flag = "  NOISY" if r.noisy else ""
         mb, share = (f"{r.bytes_per_token / 1e6:.1f}", f"{r.share(bandwidth):.0%}") if r.bytes_per_token else ("?", "?")
         print(f"{r.context:>7}  {r.name:<34} {r.weights:<20} {r.tok_s:>7.1f} {mb:>7} "
-              f"{share:>8} {r.tok_s / baseline.tok_s:>7.2f}x  {compile_s:>8}  {r.agree}{flag}")
+              f"{share:>8} {r.tok_s / baseline.tok_s:>7.2f}x  {compile_s:>20}  {r.agree}{flag}")
+
+
+def compile_column(r: Row) -> str:
+    """The compile column: seconds of the first call, how the step came (built or loaded) and a reload's seconds."""
+    if not r.compile_s:
+        return ""
+    built = f"{r.compile_s:.0f} s {r.compiled_how}".rstrip()
+    return built + (f", {r.reload_s:.1f} s load" if r.reload_s is not None else "")
 
 
 def llama_cpp_row(lm: LoadedModel, context: int, new_tokens: int, repeats: int,

@@ -13,13 +13,16 @@ to do less per step, in this order (each is a row of the roofline lab's table):
    the greedy token inside the step, and writes it into a preallocated output: no
    allocation, no host sync and no Python work per step beyond the call.
 2. **A smaller dtype** (bf16; fp16 on GPUs): half the bytes to read.
-3. **Compile the one-token step** (:func:`compile_step`): ``torch.compile`` with
-   ``fullgraph=True`` fuses the small ops into a few kernels; on a CPU, inductor's
-   *freezing* treats the weights as constants (pre-packed for oneDNN); on a GPU,
-   CUDA graphs replay the whole step with one launch. It compiles **once per cache
-   shape**: everything the step reads is a tensor or a constant of that shape
-   (:class:`DecodeStep`), so nothing in it changes from step to step and dynamo has no
-   reason to recompile (:func:`compile_count` counts, :func:`explain_recompiles` shows why).
+3. **Compile the one-token step** (:func:`compile_step`): the whole step becomes a few fused
+   kernels. On a CPU inductor's *freezing* treats the weights as constants (pre-packed
+   once) and the step is compiled ahead of time into a package (:class:`PackagedStep`,
+   AOTInductor): built once per machine, model and cache shape, kept on disk and loaded in
+   about a second by every later process; its C++ wrapper calls the kernels without Python
+   in between. On a GPU, ``torch.compile`` with CUDA graphs replays the whole step with one
+   launch. Either way it compiles **once per cache shape**: everything the step reads is a
+   tensor or a constant of that shape (:class:`DecodeStep`), so nothing in it changes from
+   step to step and nothing recompiles (:func:`compile_count` counts, :func:`explain_recompiles`
+   shows dynamo's reasons).
 4. **Weight-only int8 / int4 kernels** (:mod:`utils.quant`): fewer bytes again.
 
 :meth:`FastDecoder.generate` runs a request (prefill eager, decode through the possibly
@@ -30,15 +33,18 @@ the roofline table (:mod:`utils.decode_table`).
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import os
 import time
-from dataclasses import dataclass, field
+from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
-from . import llama_phases
+from . import llama, llama_phases, quant
 from .engine import PhaseResult
 from .errors import WorkbookError, check_prompt_length, check_token_count
 from .llama import KVCache, Llama, iter_linears
@@ -137,33 +143,147 @@ def _first_call_with(fn: Callable[..., Tensor], **config: Any) -> Callable[..., 
     return run
 
 
-def compile_step(step: DecodeStep, mode: str | None = None, backend: str = "inductor") -> Callable[..., Tensor]:
-    """``torch.compile`` of one :class:`DecodeStep` (whole graph, static shapes).
+def inductor_settings(step: DecodeStep, mode: str | None = None) -> dict[str, Any]:
+    """The inductor settings a decode step compiles under on its device (see :func:`compile_step`)."""
+    cpu = step.cache.device.type == "cpu"
+    chosen = compile_options(step.cache.device, mode)["mode"]
+    gemms = cpu_gemm_backends(step.model) if cpu and chosen.startswith("max-autotune") else None
+    settings: dict[str, Any] = {"emulate_precision_casts": True, "freezing": cpu, "autotune_num_choices_displayed": 0,
+                                "max_autotune_report_choices_stats": False}
+    if cpu:  # a packaged step (PackagedStep) takes the mode as settings; torch.compile takes it as ``mode``
+        settings["max_autotune"] = chosen.startswith("max-autotune")
+        settings["cpp.enable_kernel_profile"] = os.environ.get("KPROF") == "1"  # each kernel a profiler event (profile_step sees inside)
+    if gemms:
+        settings["max_autotune_gemm_backends"] = gemms
+    return settings
 
-    On a CPU it turns on inductor's freezing (weights become constants: pre-packed once).
-    Everywhere it asks inductor to round every intermediate to the dtype as eager does
-    (``emulate_precision_casts``): a fused bf16 kernel that kept float32 in between would
-    change greedy tokens after a few dozen, and the fast path must make the eager loop's tokens.
-    ``backend="eager"`` traces without generating code: what a unit test of the compile
-    count needs, in a second instead of a minute.
+
+def compile_step(step: DecodeStep, mode: str | None = None, backend: str = "inductor") -> Callable[..., Tensor]:
+    """The compiled :class:`DecodeStep` (whole graph, static shapes): a :class:`PackagedStep` on a CPU, else
+    ``torch.compile``.
+
+    Inductor on a CPU turns on *freezing* (weights become constants: pre-packed once). Everywhere it
+    rounds every intermediate to the dtype as eager does (``emulate_precision_casts``): a fused bf16 kernel
+    that kept float32 in between would change greedy tokens after a few dozen, and the fast path must make
+    the eager loop's tokens. ``backend="eager"`` traces with dynamo without generating code: what a unit
+    test of the compile count needs, in a second instead of a minute. ``$WORKBOOK_STEP_PACKAGES=0`` makes a
+    CPU use ``torch.compile`` too.
     """
-    device = step.cache.device
+    settings = inductor_settings(step, mode) if backend == "inductor" else {}
+    if backend == "inductor" and step.cache.device.type == "cpu" and os.environ.get("WORKBOOK_STEP_PACKAGES") != "0":
+        return PackagedStep(step, settings)
     # Every decoder is its own graph of the same code (DecodeStep.forward): a lab or benchmark that
     # builds one per model, dtype and context must not run into dynamo's limit of 8 per code.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DECODERS_PER_PROCESS)
-    if backend == "inductor":
-        import torch._inductor.config as inductor_config
-
-        inductor_config.emulate_precision_casts = True
-        inductor_config.freezing = device.type == "cpu"
-        inductor_config.autotune_num_choices_displayed = 0  # max-autotune: no table per matmul on stderr
-        inductor_config.max_autotune_report_choices_stats = False
-    options = compile_options(device, mode)
-    gemms = cpu_gemm_backends(step.model) if device.type == "cpu" and options["mode"].startswith("max-autotune") else None
+    options = compile_options(step.cache.device, mode)
     if backend != "inductor":
         options.pop("mode")
+    import torch._inductor.config as inductor_config
+
+    gemms = settings.pop("max_autotune_gemm_backends", None)
+    settings.pop("max_autotune", None)
+    for name, value in settings.items():
+        setattr(inductor_config, name, value)
     compiled = torch.compile(step, backend=backend, **options)
-    return _first_call_with(compiled, max_autotune_gemm_backends=gemms) if backend == "inductor" and gemms else compiled
+    return _first_call_with(compiled, max_autotune_gemm_backends=gemms) if gemms else compiled
+
+
+# ----------------------------------------------------------------------------- packaged steps (CPU)
+
+
+STEP_CACHE_GB = 4.0
+"""Disk the packaged steps may fill (the least recently used go first); ``$WORKBOOK_STEP_CACHE_GB`` overrides."""
+
+_STEPS_PACKAGED = 0  # packaged steps built or loaded in this process (compile_count counts them)
+
+
+def step_cache_dir() -> Path:
+    """Where packaged steps are kept: ``$WORKBOOK_STEP_CACHE``, else ``~/.cache/prefill-decode-workbook/steps``."""
+    chosen = os.environ.get("WORKBOOK_STEP_CACHE")
+    return Path(chosen) if chosen else Path.home() / ".cache" / "prefill-decode-workbook" / "steps"
+
+
+def _this_cpu() -> str:
+    """This CPU's instruction sets (a package's kernels use them), the ISA torch dispatches to and the threads
+    (max-autotune's picks were timed with them)."""
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "") \
+        if Path("/proc/cpuinfo").exists() else ""
+    return (f"{torch.backends.cpu.get_cpu_capability()} {os.environ.get('ONEDNN_MAX_CPU_ISA', '')} "
+            f"{torch.get_num_threads()} {flags}")
+
+
+def step_key(step: DecodeStep, settings: dict[str, Any]) -> str:
+    """What a packaged step depends on: torch, this CPU, the code of the model, the settings, the cache's
+    shapes and every weight's bytes (the package holds the weights, pre-packed). Not the cache's contents."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in (torch.__version__, _this_cpu(), inspect.getsource(llama), inspect.getsource(quant),
+                 inspect.getsource(DecodeStep), repr(sorted(settings.items()))):
+        h.update(part.encode())
+    for name, t in [*step.named_parameters(), *step.named_buffers()]:
+        h.update(f"{name} {tuple(t.shape)} {t.dtype}".encode())
+        if not name.startswith("cache."):
+            h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def package_step(step: DecodeStep, example: tuple[Tensor, Tensor], settings: dict[str, Any], path: Path) -> None:
+    """Export ``step`` and compile it ahead of time (AOTInductor) into the package ``path``."""
+    partial = path.parent / "building" / f"{path.stem}.{os.getpid()}.pt2"
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    with torch.inference_mode(False), torch.no_grad():
+        program = torch.export.export(step, example, strict=False)
+        torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=settings)
+    partial.replace(path)  # whole or not at all: another process may be reading the same key
+    keep_recent_packages(path.parent, float(os.environ.get("WORKBOOK_STEP_CACHE_GB", STEP_CACHE_GB)) * 1e9)
+
+
+def keep_recent_packages(folder: Path, max_bytes: float) -> None:
+    """Remove the least recently used packages in ``folder`` until they fit in ``max_bytes`` (the newest stays)."""
+    packages = sorted(folder.glob("*.pt2"), key=lambda p: p.stat().st_mtime)
+    total = sum(p.stat().st_size for p in packages)
+    for old in packages[:-1]:
+        if total <= max_bytes:
+            break
+        total -= old.stat().st_size
+        old.unlink(missing_ok=True)
+
+
+class PackagedStep:
+    """A :class:`DecodeStep` compiled ahead of time with AOTInductor, kept on disk, loaded in a second.
+
+    ``torch.compile`` compiles a step again in every process: its on-disk cache cannot hold the oneDNN
+    weights that freezing pre-packs (torch 2.13: "mkldnn tensors unpickleable"), so a learner waits ~40 s per
+    variant each time. A package is built once per machine, model, weights and cache shape
+    (:func:`step_key`) and loaded by every later process. Its C++ wrapper also calls the kernels without
+    Python in between: on a 2-core Xeon the same bf16 step decodes ~1.3x faster than ``torch.compile``'s.
+    The package holds the weights; the cache's buffers are bound to this step's own (prefill writes them,
+    the step reads and writes them in place). ``source`` says whether the first call "built" or "loaded" it.
+    """
+
+    def __init__(self, step: DecodeStep, settings: dict[str, Any]) -> None:
+        self.step, self.settings = step, settings
+        self.runner: Any = None
+        self.source = ""
+
+    def __call__(self, token: Tensor, slot: Tensor) -> Tensor:
+        if self.runner is None:
+            self.load(token, slot)
+        return self.runner(token, slot)
+
+    def load(self, token: Tensor, slot: Tensor) -> None:
+        global _STEPS_PACKAGED
+        path = step_cache_dir() / f"{step_key(self.step, self.settings)}.pt2"
+        self.source = "loaded" if path.exists() else "built"
+        if not path.exists():
+            with torch.inference_mode(False):
+                example = (torch.zeros(token.shape, dtype=token.dtype), slot.clone())
+            package_step(self.step, example, self.settings, path)
+        path.touch()  # recently used
+        self.runner = torch._inductor.aoti_load_package(str(path))
+        own = dict(self.step.cache.named_buffers(prefix="cache"))
+        self.runner.load_constants({n: own[n] for n in self.runner.get_constant_fqns() if n in own},
+                                   check_full_update=False, user_managed=True)
+        _STEPS_PACKAGED += 1
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -184,6 +304,7 @@ class FastDecoder:
     compiled: bool
     compile_s: float = 0.0
     label: str = ""
+    mode: str | None = None  # compile_step's mode, kept so that a second decoder of the same form compiles alike
     calls: int = field(default=0, repr=False)
 
     @classmethod
@@ -192,7 +313,7 @@ class FastDecoder:
         cache = llama_phases.new_cache(model, batch, max_len, static=True)
         step = DecodeStep(model, cache)
         fn = compile_step(step, mode, backend) if compiled else step
-        return cls(model, cache, fn, compiled, label=label)
+        return cls(model, cache, fn, compiled, label=label, mode=mode)
 
     @torch.inference_mode()
     def prefill(self, ids: Tensor) -> Tensor:
@@ -256,10 +377,11 @@ def fast_decode_speed(decoder: FastDecoder, ids: Tensor, n_tokens: int, *, repea
 
 
 def compile_count() -> int:
-    """Frames dynamo has compiled in this process so far (a recompile adds one)."""
+    """Steps compiled in this process so far: frames dynamo compiled (a recompile adds one) and packaged steps
+    built or loaded (:class:`PackagedStep`)."""
     from torch._dynamo.utils import counters
 
-    return int(counters["stats"]["unique_graphs"])
+    return int(counters["stats"]["unique_graphs"]) + _STEPS_PACKAGED
 
 
 def explain_recompiles(fn: Callable[[], Any]) -> list[str]:
@@ -310,8 +432,14 @@ def profile_step(decoder: FastDecoder, ids: Tensor, n_tokens: int = 8) -> dict[s
     """Seconds per decode step of ``decoder`` by kind of operator (matmul, attention, everything
     else: :func:`utils.timing.op_kind`), from ``torch.profiler`` self times after a prefill.
 
-    A compiled step's fused element-wise kernels count under "everything else".
+    A compiled step's fused element-wise kernels count under "everything else". A packaged step's kernels
+    are profiler events only in a package built to record them (``cpp.enable_kernel_profile``, which costs
+    about a third of the speed on a 2-core Xeon): that twin, built once and kept like any package, is profiled.
     """
+    if isinstance(decoder.step, PackagedStep):
+        twin = PackagedStep(decoder.step.step, {**decoder.step.settings, "cpp.enable_kernel_profile": True})
+        decoder = replace(decoder, step=twin, compile_s=0.0)
+        decoder.warm_up(ids)
     first = decoder.prefill(ids)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if decoder.cache.device.type == "cuda":
