@@ -152,7 +152,6 @@ def inductor_settings(step: DecodeStep, mode: str | None = None) -> dict[str, An
                                 "max_autotune_report_choices_stats": False}
     if cpu:  # a packaged step (PackagedStep) takes the mode as settings; torch.compile takes it as ``mode``
         settings["max_autotune"] = chosen.startswith("max-autotune")
-        settings["cpp.enable_kernel_profile"] = os.environ.get("KPROF") == "1"  # each kernel a profiler event (profile_step sees inside)
     if gemms:
         settings["max_autotune_gemm_backends"] = gemms
     return settings
