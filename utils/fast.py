@@ -437,8 +437,7 @@ def profile_step(decoder: FastDecoder, ids: Tensor, n_tokens: int = 8) -> dict[s
     and its split is scaled to ``decoder``'s own time per step (timed here), so that the kinds add up to it.
     """
     if isinstance(decoder.step, PackagedStep):
-        own_s = measure(lambda first: decoder.decode(first, n_tokens), setup=lambda: decoder.prefill(ids), warmup=1,
-                        repeats=3, device=decoder.cache.device, progress=False).median / n_tokens
+        own_s = fast_decode_speed(decoder, ids, n_tokens).timing.median / n_tokens
         twin = PackagedStep(decoder.step.step, {**decoder.step.settings, "cpp.enable_kernel_profile": True})
         twin_decoder = replace(decoder, step=twin, compile_s=0.0)
         twin_decoder.warm_up(ids)
