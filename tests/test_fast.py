@@ -111,6 +111,25 @@ def test_the_step_cache_keeps_the_most_recently_used_packages(tmp_path):
     assert [p.stem for p in tmp_path.glob("*.pt2")] == ["new"]  # the newest stays, whatever the limit
 
 
+def test_a_build_parses_each_kernel_template_once_and_then_restores_the_parser():
+    from torch._inductor.codegen.common import KernelTemplate
+
+    source = "{% for i in range(n) %}{{ i }},{% endfor %}"
+    assert KernelTemplate._template_from_string(source) is not KernelTemplate._template_from_string(source)
+    with fast.templates_parsed_once():
+        once = KernelTemplate._template_from_string(source)
+        assert KernelTemplate._template_from_string(source) is once  # parsed once, reused
+        assert once.render(n=3) == once.render(n=3) == "0,1,2,"  # renders the same each time
+    assert KernelTemplate._template_from_string(source) is not once  # inductor's own parser is back
+
+
+def test_a_packaged_step_compiles_its_wrapper_at_O0_and_is_keyed_by_it(model):
+    step = fast.DecodeStep(model, model.new_cache(1, 64, static=True))
+    packaged = fast.PackagedStep(step, fast.inductor_settings(step))
+    assert packaged.settings["aot_inductor.compile_wrapper_opt_level"] == "O0"
+    assert fast.step_key(step, packaged.settings) != fast.step_key(step, fast.inductor_settings(step))
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_fast_path_matches_its_own_eager_loop(model, bits):
     copy = quant.quantized_copy(model, bits=bits, head_bits=bits, dtype=torch.float32)
