@@ -84,6 +84,15 @@ def test_inductor_compiled_step_makes_the_eager_tokens(model, length, tmp_path, 
         assert 0 < sum(per_kind.values()) < 1.0  # scaled to the decoder's own step: seconds, not the twin's
 
 
+def test_a_packaged_step_is_keyed_by_the_gemm_backends_a_user_picks(model, monkeypatch):
+    step = fast.DecodeStep(model, model.new_cache(1, 64, static=True))
+    settings = fast.inductor_settings(step)
+    monkeypatch.delenv("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM_BACKENDS", raising=False)
+    default = fast.step_key(step, settings)
+    monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM_BACKENDS", "ATEN")  # not in settings: inductor reads it
+    assert fast.step_key(step, settings) != default
+
+
 def test_a_packaged_step_is_keyed_by_weights_and_shapes_not_the_caches_contents(model):
     settings = fast.inductor_settings(fast.DecodeStep(model, model.new_cache(1, 64, static=True)))
     key = fast.step_key(fast.DecodeStep(model, model.new_cache(1, 64, static=True)), settings)

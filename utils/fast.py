@@ -219,11 +219,13 @@ def _this_cpu() -> str:
 
 
 def step_key(step: DecodeStep, settings: dict[str, Any]) -> str:
-    """What a packaged step depends on: torch, this CPU, the code of the model, the settings, the cache's
-    shapes and every weight's bytes (the package holds the weights, pre-packed). Not the cache's contents."""
+    """What a packaged step depends on: torch, this CPU, the code of the model, the settings (with inductor's own
+    ``TORCHINDUCTOR_*`` variables, e.g. the GEMM backends a user picked), the cache's shapes and every weight's
+    bytes (the package holds the weights, pre-packed). Not the cache's contents."""
     h = hashlib.blake2b(digest_size=16)
+    inductor_env = sorted((k, v) for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_"))
     for part in (torch.__version__, _this_cpu(), inspect.getsource(llama), inspect.getsource(quant),
-                 inspect.getsource(DecodeStep), repr(sorted(settings.items()))):
+                 inspect.getsource(DecodeStep), repr(sorted(settings.items())), repr(inductor_env)):
         h.update(part.encode())
     for name, t in [*step.named_parameters(), *step.named_buffers()]:
         h.update(f"{name} {tuple(t.shape)} {t.dtype}".encode())
