@@ -82,6 +82,8 @@ def test_inductor_compiled_step_makes_the_eager_tokens(model, length, tmp_path, 
         per_kind = fast.profile_step(again, IDS)  # a twin that records its kernels: matmuls and attention seen
         assert per_kind.get("matmul", 0) > 0 and per_kind.get("attention", 0) > 0, per_kind
         assert 0 < sum(per_kind.values()) < 1.0  # scaled to the decoder's own step: seconds, not the twin's
+        given = fast.profile_step(again, IDS, step_s=0.0123)  # a step time the caller measured (a table's row)
+        assert sum(given.values()) == pytest.approx(0.0123) and given.keys() == per_kind.keys()
 
 
 def test_a_packaged_step_is_keyed_by_the_gemm_backends_a_user_picks(model, monkeypatch):

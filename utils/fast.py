@@ -459,17 +459,18 @@ def projections_seconds(model: Llama, repeats: int = 5) -> float:
     return measure(once, warmup=1, repeats=repeats, device=model.device, progress=False).median
 
 
-def profile_step(decoder: FastDecoder, ids: Tensor, n_tokens: int = 8) -> dict[str, float]:
+def profile_step(decoder: FastDecoder, ids: Tensor, n_tokens: int = 8, step_s: float | None = None) -> dict[str, float]:
     """Seconds per decode step of ``decoder`` by kind of operator (matmul, attention, everything
     else: :func:`utils.timing.op_kind`), from ``torch.profiler`` self times after a prefill.
 
     A compiled step's fused element-wise kernels count under "everything else". A packaged step's kernels
     are profiler events only in a package built to record them (``cpp.enable_kernel_profile``, which costs
     about a third of the speed on a 2-core Xeon): that twin, built once and kept like any package, is profiled,
-    and its split is scaled to ``decoder``'s own time per step (timed here), so that the kinds add up to it.
+    and its split is scaled to ``decoder``'s own time per step, so that the kinds add up to it: ``step_s`` when
+    the caller measured it (a table's row), else timed here over ``n_tokens`` steps.
     """
     if isinstance(decoder.step, PackagedStep):
-        own_s = fast_decode_speed(decoder, ids, n_tokens).timing.median / n_tokens
+        own_s = step_s or fast_decode_speed(decoder, ids, n_tokens).timing.median / n_tokens
         twin = PackagedStep(decoder.step.step, {**decoder.step.settings, "cpp.enable_kernel_profile": True})
         twin_decoder = replace(decoder, step=twin, compile_s=0.0)
         twin_decoder.warm_up(ids)
