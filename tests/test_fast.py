@@ -162,6 +162,22 @@ def test_projections_seconds_times_every_projection(model):
     assert row.as_dict(4e7, baseline_tok_s=5.0)["speedup"] == 2.0
 
 
+@pytest.mark.parametrize("float32", [False, True])
+def test_attention_seconds_times_the_dtype_it_is_asked_for(model, monkeypatch, float32):
+    seen, real = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((q.dtype, k.shape[2]))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(fast.F, "scaled_dot_product_attention", spy)
+    bf16 = Llama.from_hf(tiny_hf()).to(torch.bfloat16)
+    seconds = fast.attention_seconds(bf16, 96, float32=float32, calls=3, repeats=2)
+    assert 0 < seconds < 1
+    assert set(seen) == {(torch.float32 if float32 else torch.bfloat16, 96)}
+    assert len(seen) >= 3 * 3  # warm-up and two repeats of three calls
+
+
 def test_many_decoders_in_one_process_stay_under_the_recompile_limit(model):
     """A lab builds one decoder per model, dtype and context: more than dynamo's default of 8 per code."""
     for length in range(16, 16 + 10 * 4, 4):  # ten cache shapes

@@ -265,3 +265,15 @@ def test_batch_that_does_not_fit_is_a_clear_error(lm):
     model = llama.Llama.from_hf(lm.model)
     with pytest.raises(OutOfMemoryError, match=r"KV cache for 100000 sequence\(s\).*Reduce the batch size"):
         model.new_cache(batch=100_000, max_len=8_192)
+
+
+def test_attention_reads_a_bf16_cache_in_float32_on_a_cpu():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, t, 16, generator=g).bfloat16() for h, t in ((6, 1), (2, 40), (2, 40)))
+    mask = torch.arange(40)[None, None, None] < 33
+    upcast = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                              enable_gqa=True).bfloat16()
+    got = L.attention(q, k, v, mask)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, upcast)
+    full = L.attention(q.float(), k.float(), v.float(), mask)  # float32 in, float32 out, untouched
+    assert full.dtype == torch.float32 and torch.equal(full.bfloat16(), upcast)

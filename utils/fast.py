@@ -44,6 +44,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import llama, llama_phases, quant
@@ -457,6 +458,27 @@ def projections_seconds(model: Llama, repeats: int = 5) -> float:
             m(rows[m.in_features])
 
     return measure(once, warmup=1, repeats=repeats, device=model.device, progress=False).median
+
+
+@torch.inference_mode()
+def attention_seconds(model: Llama, context: int, float32: bool, calls: int = 50, repeats: int = 5) -> float:
+    """Seconds one decode query with ``model``'s heads takes to attend over ``context`` cached slots of its dtype:
+    with the cache read in float32 (``float32=True``, what :func:`utils.llama.attention` does with a bf16 cache on
+    a CPU) or in its own dtype (PyTorch's kernel as is). Median of ``repeats`` timings of ``calls`` calls, per call.
+
+    One layer's share of a step: a decode step attends this way once per layer.
+    """
+    a, dev = model.args, model.device
+    q = torch.randn(1, a.n_heads, 1, a.head_dim, dtype=model.dtype, device=dev)
+    k, v = (torch.randn(1, a.n_kv_heads, context, a.head_dim, dtype=model.dtype, device=dev) for _ in range(2))
+    mask = torch.ones(1, 1, 1, context, dtype=torch.bool, device=dev)
+    up = (lambda t: t.float()) if float32 else (lambda t: t)
+
+    def some_calls() -> None:
+        for _ in range(calls):
+            F.scaled_dot_product_attention(up(q), up(k), up(v), attn_mask=mask, enable_gqa=True).to(model.dtype)
+
+    return measure(some_calls, warmup=1, repeats=repeats, device=dev, progress=False).median / calls
 
 
 def profile_step(decoder: FastDecoder, ids: Tensor, n_tokens: int = 8, step_s: float | None = None) -> dict[str, float]:

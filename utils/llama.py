@@ -137,7 +137,17 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     q: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask: [B, 1, T, S] bool, True = may attend.
     Each group of ``H // Hkv`` query heads shares one K/V head: the cache holds only
     Hkv heads, which is what makes it ``H / Hkv`` times smaller than with full heads.
+
+    On a CPU a bf16 (or fp16) cache is read in float32: PyTorch's CPU attention kernel is many times slower
+    in bf16 than in float32 on CPUs without AMX, and the upcast of one layer's cache is a copy that stays in
+    cache memory. Measured on a 2-core AMD EPYC (AVX-512 with bf16, no AMX), torch 2.13, one query over 1,280
+    slots: 1,120 µs per call in bf16, 162 µs with the upcast; the compiled bf16 step at 1,024 tokens went from
+    25.4 to 62.2 tok/s, int4 from 28.9 to 54.9 (:func:`utils.fast.attention_seconds` times both on the machine at hand).
+    GPUs keep their low-precision (flash) kernels.
     """
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+        return out.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
