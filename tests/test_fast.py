@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_batching import tiny_hf
 
-from utils import decode_table, engine, fast, quant
+from utils import cpu_attention, decode_table, engine, fast, quant
 from utils.llama_phases import forward_no_cache
 from utils.errors import WorkbookError
 from utils.llama import Llama
@@ -162,20 +162,29 @@ def test_projections_seconds_times_every_projection(model):
     assert row.as_dict(4e7, baseline_tok_s=5.0)["speedup"] == 2.0
 
 
-@pytest.mark.parametrize("float32", [False, True])
-def test_attention_seconds_times_the_dtype_it_is_asked_for(model, monkeypatch, float32):
-    seen, real = [], torch.nn.functional.scaled_dot_product_attention
+@pytest.mark.parametrize("kernel", fast.ATTENTION_KERNELS)
+def test_attention_seconds_times_the_kernel_it_is_asked_for(model, monkeypatch, kernel):
+    seen, real_pytorch, real_workbook = [], torch.nn.functional.scaled_dot_product_attention, cpu_attention.decode_attention
 
-    def spy(q, k, v, **kw):
-        seen.append((q.dtype, k.shape[2]))
-        return real(q, k, v, **kw)
+    def pytorch(q, k, v, **kw):
+        seen.append(("pytorch", q.dtype, k.shape[2]))
+        return real_pytorch(q, k, v, **kw)
 
-    monkeypatch.setattr(fast.F, "scaled_dot_product_attention", spy)
+    def workbook(q, k, v, mask):
+        seen.append(("workbook", q.dtype, k.shape[2]))
+        return real_workbook(q, k, v, mask)
+
+    monkeypatch.setattr(fast.F, "scaled_dot_product_attention", pytorch)
+    monkeypatch.setattr(cpu_attention, "decode_attention", workbook)
     bf16 = Llama.from_hf(tiny_hf()).to(torch.bfloat16)
-    seconds = fast.attention_seconds(bf16, 96, float32=float32, calls=3, repeats=2)
+    seconds = fast.attention_seconds(bf16, 96, kernel, calls=3, repeats=2)
     assert 0 < seconds < 1
-    assert set(seen) == {(torch.float32 if float32 else torch.bfloat16, 96)}
+    want = {"pytorch": ("pytorch", torch.bfloat16), "pytorch in float32": ("pytorch", torch.float32),
+            "workbook": ("workbook", torch.bfloat16)}[kernel]
+    assert set(seen) == {(*want, 96)}
     assert len(seen) >= 3 * 3  # warm-up and two repeats of three calls
+    with pytest.raises(WorkbookError, match="unknown attention kernel 'flash'"):
+        fast.attention_seconds(bf16, 96, "flash")
 
 
 def test_many_decoders_in_one_process_stay_under_the_recompile_limit(model):

@@ -267,13 +267,26 @@ def test_batch_that_does_not_fit_is_a_clear_error(lm):
         model.new_cache(batch=100_000, max_len=8_192)
 
 
-def test_attention_reads_a_bf16_cache_in_float32_on_a_cpu():
+def test_attention_decodes_with_the_cpu_kernel_and_prefills_with_pytorch(monkeypatch):
+    """A bf16 decode query (T = 1) on a CPU goes to the workbook's kernel; a prefill (T > 1) and a float32 decode
+    query to PyTorch's (a bf16 cache read in float32); with $WORKBOOK_CPU_ATTENTION=0 bf16 decode goes to PyTorch's."""
+    from test_cpu_attention import pytorch_attention
+    from utils import cpu_attention
+
+    calls = []
+    real = cpu_attention.decode_attention
+    monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a: calls.append(1) or real(*a))
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, h, t, 16, generator=g).bfloat16() for h, t in ((6, 1), (2, 40), (2, 40)))
-    mask = torch.arange(40)[None, None, None] < 33
-    upcast = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
-                                                              enable_gqa=True).bfloat16()
-    got = L.attention(q, k, v, mask)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, upcast)
-    full = L.attention(q.float(), k.float(), v.float(), mask)  # float32 in, float32 out, untouched
-    assert full.dtype == torch.float32 and torch.equal(full.bfloat16(), upcast)
+    k, v = (torch.randn(1, 2, 40, 16, generator=g).bfloat16() for _ in range(2))
+    one, four = torch.randn(1, 6, 1, 16, generator=g).bfloat16(), torch.randn(1, 6, 4, 16, generator=g).bfloat16()
+    mask1, mask4 = torch.arange(40)[None, None, None] < 33, torch.ones(1, 1, 4, 40, dtype=torch.bool)
+    L.attention(one, k, v, mask1)
+    assert calls == [1]
+    assert torch.equal(L.attention(four, k, v, mask4), pytorch_attention(four, k, v, mask4))
+    assert calls == [1]
+    one32, k32, v32 = one.float(), k.float(), v.float()
+    assert torch.equal(L.attention(one32, k32, v32, mask1), pytorch_attention(one32, k32, v32, mask1))
+    assert calls == [1]
+    monkeypatch.setenv("WORKBOOK_CPU_ATTENTION", "0")
+    assert torch.equal(L.attention(one, k, v, mask1), pytorch_attention(one, k, v, mask1))
+    assert calls == [1]

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import llama, llama_phases, quant
+from . import cpu_attention, llama, llama_phases, quant
 from .engine import PhaseResult
 from .errors import WorkbookError, check_prompt_length, check_token_count
 from .llama import KVCache, Llama, iter_linears
@@ -222,10 +222,12 @@ def _this_cpu() -> str:
 def step_key(step: DecodeStep, settings: dict[str, Any]) -> str:
     """What a packaged step depends on: torch, this CPU, the code of the model, the settings (with inductor's own
     ``TORCHINDUCTOR_*`` variables, e.g. the GEMM backends a user picked), the cache's shapes and every weight's
-    bytes (the package holds the weights, pre-packed). Not the cache's contents."""
+    bytes (the package holds the weights, pre-packed), and which decode attention it calls (the workbook's CPU
+    kernel, named by its source, or PyTorch's). Not the cache's contents."""
     h = hashlib.blake2b(digest_size=16)
     inductor_env = sorted((k, v) for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_"))
-    for part in (torch.__version__, _this_cpu(), inspect.getsource(llama), inspect.getsource(quant),
+    kernel = cpu_attention.library_path().name if cpu_attention.available() else "pytorch attention"
+    for part in (torch.__version__, _this_cpu(), kernel, inspect.getsource(llama), inspect.getsource(quant),
                  inspect.getsource(DecodeStep), repr(sorted(settings.items())), repr(inductor_env)):
         h.update(part.encode())
     for name, t in [*step.named_parameters(), *step.named_buffers()]:
@@ -460,23 +462,34 @@ def projections_seconds(model: Llama, repeats: int = 5) -> float:
     return measure(once, warmup=1, repeats=repeats, device=model.device, progress=False).median
 
 
+ATTENTION_KERNELS = ("pytorch", "pytorch in float32", "workbook")
+"""The decode attentions :func:`attention_seconds` compares on a CPU: PyTorch's kernel on the cache as it is,
+PyTorch's kernel on a float32 copy of it, and the workbook's own kernel (:mod:`utils.cpu_attention`)."""
+
+
 @torch.inference_mode()
-def attention_seconds(model: Llama, context: int, float32: bool, calls: int = 50, repeats: int = 5) -> float:
-    """Seconds one decode query with ``model``'s heads takes to attend over ``context`` cached slots of its dtype:
-    with the cache read in float32 (``float32=True``, what :func:`utils.llama.attention` does with a bf16 cache on
-    a CPU) or in its own dtype (PyTorch's kernel as is). Median of ``repeats`` timings of ``calls`` calls, per call.
+def attention_seconds(model: Llama, context: int, kernel: str = "workbook", calls: int = 50, repeats: int = 5) -> float:
+    """Seconds one decode query with ``model``'s heads takes to attend over ``context`` cached slots of its dtype,
+    with one of :data:`ATTENTION_KERNELS`. Median of ``repeats`` timings of ``calls`` calls, per call.
 
     One layer's share of a step: a decode step attends this way once per layer.
     """
+    if kernel not in ATTENTION_KERNELS:
+        raise WorkbookError(f"unknown attention kernel {kernel!r}: choose one of {', '.join(ATTENTION_KERNELS)}")
+    if kernel == "workbook" and not cpu_attention.available():
+        raise WorkbookError("the workbook's attention kernel is not built on this machine (see utils.cpu_attention)")
     a, dev = model.args, model.device
     q = torch.randn(1, a.n_heads, 1, a.head_dim, dtype=model.dtype, device=dev)
     k, v = (torch.randn(1, a.n_kv_heads, context, a.head_dim, dtype=model.dtype, device=dev) for _ in range(2))
     mask = torch.ones(1, 1, 1, context, dtype=torch.bool, device=dev)
-    up = (lambda t: t.float()) if float32 else (lambda t: t)
+    up = (lambda t: t.float()) if kernel == "pytorch in float32" else (lambda t: t)
 
     def some_calls() -> None:
         for _ in range(calls):
-            F.scaled_dot_product_attention(up(q), up(k), up(v), attn_mask=mask, enable_gqa=True).to(model.dtype)
+            if kernel == "workbook":
+                cpu_attention.decode_attention(q, k, v, mask)
+            else:
+                F.scaled_dot_product_attention(up(q), up(k), up(v), attn_mask=mask, enable_gqa=True).to(model.dtype)
 
     return measure(some_calls, warmup=1, repeats=repeats, device=dev, progress=False).median / calls
 

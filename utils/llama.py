@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import cpu_attention
 from .device import check_fits
 from .errors import UnsupportedArchitectureError
 from .models import model_spec
@@ -138,14 +139,20 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     Each group of ``H // Hkv`` query heads shares one K/V head: the cache holds only
     Hkv heads, which is what makes it ``H / Hkv`` times smaller than with full heads.
 
-    On a CPU a bf16 (or fp16) cache is read in float32: PyTorch's CPU attention kernel is many times slower
-    in bf16 than in float32 on CPUs without AMX, and the upcast of one layer's cache is a copy that stays in
-    cache memory. Measured on a 2-core AMD EPYC (AVX-512 with bf16, no AMX), torch 2.13, one query over 1,280
-    slots: 1,120 µs per call in bf16, 162 µs with the upcast; the compiled bf16 step at 1,024 tokens went from
-    25.4 to 62.2 tok/s, int4 from 28.9 to 54.9 (:func:`utils.fast.attention_seconds` times both on the machine at hand).
-    GPUs keep their low-precision (flash) kernels.
+    On a CPU a decode step (T = 1) over a bf16 (or fp16) cache uses the workbook's own kernel
+    (:mod:`utils.cpu_attention`): PyTorch's CPU kernel is slow on one query in low precision. Measured on a
+    2-core AMD EPYC (AVX2), one layer's attention over 1,280 cached bf16 slots, 30 layers' caches cycled:
+    1,165 µs with PyTorch's kernel as is, 447 µs on a float32 copy of the cache, 106 µs with the workbook's;
+    over 256 slots 261, 146 and 29 µs. The lab's attention cell measures them on the machine at hand.
+    Where it cannot be built, a low-precision cache is read in float32 by PyTorch's kernel. A float32 cache
+    keeps PyTorch's kernel: there the workbook's is bound by its arithmetic, not by the cache's bytes (chapter
+    08's multi-head step over 4,096 slots was 1.14x its multi-query step with it, against 1.36x predicted by
+    the bytes). GPUs keep their low-precision (flash) kernels.
     """
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+    low_precision = q.dtype in (torch.bfloat16, torch.float16)
+    if q.device.type == "cpu" and low_precision and cpu_attention.handles(q, k, v, mask) and cpu_attention.available():
+        return cpu_attention.decode_attention(q, k, v, mask)
+    if q.device.type == "cpu" and low_precision:
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
         return out.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
