@@ -431,5 +431,9 @@ def test_weight_read_gain_is_the_shared_weight_read_prediction():
     # c requests: c prefills back to back, then (n - 1) shared steps, against c whole requests alone
     assert weight_read_gain(0.2, 0.01, 32, 4) == pytest.approx(4 * (0.2 + 31 * 0.01) / (4 * 0.2 + 31 * 0.01))
     assert weight_read_gain(1e-9, 0.01, 32, 4) == pytest.approx(4.0, rel=1e-6)  # decode only: c times
+    # a step alone that is half weight read, half each row's own work: step(4) = 0.005 + 4 x 0.005
+    assert weight_read_gain(1e-9, 0.01, 32, 4, read_s=0.005) == pytest.approx(4 * 0.01 / 0.025, rel=1e-6)
+    assert weight_read_gain(0.2, 0.01, 32, 4, read_s=0.0) == pytest.approx(1.0)  # no shared read: no gain
+    assert weight_read_gain(0.2, 0.01, 32, 4, read_s=1.0) == weight_read_gain(0.2, 0.01, 32, 4)  # capped at TBT
     with pytest.raises(WorkbookError):
         weight_read_gain(0.2, -0.01, 32, 4)

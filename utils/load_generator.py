@@ -256,14 +256,19 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else math.nan
 
 
-def weight_read_gain(ttft_s: float, tbt_s: float, output_tokens: int, concurrency: int) -> float:
+def weight_read_gain(ttft_s: float, tbt_s: float, output_tokens: int, concurrency: int,
+                     read_s: float | None = None) -> float:
     """Throughput at ``concurrency`` over throughput alone, **predicted** from a run alone by the weight-read model.
 
     Alone, each request takes ``TTFT + (n - 1) · TBT``. With ``c`` requests at once, their prompts prefilled
     together cost ``c`` times one (prefill is compute: ``c`` times the tokens), while a decode step of ``c`` rows
-    costs one step alone (each step reads the weights once, for every row): ``c · TTFT + (n - 1) · TBT`` for
-    ``c`` requests. A measured gain below this says a step of ``c`` rows costs more than one weight read.
+    shares one read of the weights among its rows: ``c · TTFT + (n - 1) · step(c)`` for ``c`` requests, with
+    ``step(c) = read + c · (TBT - read)``. ``read_s`` is the weight read's share of a step alone (the weights'
+    bytes over the measured bandwidth, at most ``TBT``); the rest of the step is each row's own work, done ``c``
+    times. Without it the whole step is the read (``step(c) = TBT``). A measured gain below this says a step of
+    ``c`` rows costs more than that.
     """
     c, n = check_count(concurrency, "concurrency"), check_count(output_tokens, "output_tokens")
     ttft, tbt = check_number(ttft_s, "ttft_s", "s"), check_number(tbt_s, "tbt_s", "s")
-    return c * (ttft + (n - 1) * tbt) / (c * ttft + (n - 1) * tbt)
+    read = tbt if read_s is None else min(check_number(read_s, "read_s", "s", allow_zero=True), tbt)
+    return c * (ttft + (n - 1) * tbt) / (c * ttft + (n - 1) * (read + c * (tbt - read)))
