@@ -123,5 +123,5 @@ def test_06_a_slow_stream_fails_decode_step_against_its_prediction(lm, planted, 
         wait["s"] = 3 / dc if planted else 0.0
         m = engine.run_request(lm, filler_ids(lm.tokenizer, 32, lm.device), o, stop_at_eos=False)
         ratios.append(m.decode_s / (o - 1) * dc)
-    outcome(planted, lambda: decide_near("32 + 8 tokens: decode step / measure_decode step", ratios)[0])
+    outcome(planted, lambda: decide_near("32 + 8 tokens: decode step / step alone", ratios)[0])
 
