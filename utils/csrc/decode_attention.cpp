@@ -49,27 +49,33 @@ struct Partial {  // running softmax of one query head over one chunk
   float acc[kMaxDim];  // written whole by the chunk's pass (sum == 0: not read)
 };
 
+// 2^f for f in [-0.5, 0.5]: a degree-6 polynomial (relative error ~2e-7), highest power first.
+constexpr float kExp2Poly[] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                               5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.f};
+constexpr float kLog2e = 1.44269504088896341f;
+
 // e^x for x <= 0 (softmax weights), in plain arithmetic that the compiler vectorizes: 2^(x log2 e) split into
-// an integer power of two (built in the exponent bits) and 2^f for f in [-0.5, 0.5] by a degree-6 polynomial
-// (relative error ~2e-7). Below -87 it returns 0.
+// an integer power of two (built in the exponent bits) and 2^f by kExp2Poly. Below -87 it returns 0.
 inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float t = x * 1.44269504088896341f;
+  const float t = std::max(x, -87.f) * kLog2e;
   const float n = std::nearbyint(t);
   const float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
+  float p = kExp2Poly[0];
+  for (int i = 1; i < 7; ++i) p = p * f + kExp2Poly[i];
   int32_t bits;
   std::memcpy(&bits, &p, 4);
   bits += static_cast<int32_t>(n) << 23;
   float r;
   std::memcpy(&r, &bits, 4);
   return r;
+}
+
+// The slots in [begin, end) that the mask allows, into rows; returns how many.
+inline int64_t allowed_slots(const bool* mask, int64_t mask_stride, int64_t begin, int64_t end, int64_t* rows) {
+  int64_t n = 0;
+  for (int64_t s = begin; s < end; ++s)
+    if (mask[s * mask_stride]) rows[n++] = s;
+  return n;
 }
 
 // One KV head, slots [begin, end): the G query heads' partial softmax over them, in three passes: scores,
@@ -83,9 +89,8 @@ void attend_chunk(const float* qf, const T* k, const T* v, const bool* mask, int
   const int64_t D = kD ? kD : D_;
   float row[kMaxDim];
   float scores[kMaxGroup][kChunk];
-  int64_t allowed[kChunk], n = 0;
-  for (int64_t s = begin; s < end; ++s)
-    if (mask[s * mask_stride]) allowed[n++] = s;
+  int64_t allowed[kChunk];
+  const int64_t n = allowed_slots(mask, mask_stride, begin, end, allowed);
   if (n == 0) return;  // sum stays 0: the merge skips this chunk
   for (int64_t g = 0; g < G; ++g) std::fill(out[g].acc, out[g].acc + D, 0.f);
   for (int64_t i = 0; i < n; ++i) {  // scores: q . k / sqrt(D)
@@ -254,13 +259,11 @@ void scores_simd(const float* qf, int64_t G, const T* k, int64_t k_stride, const
 // e^x for x <= 0, W at a time: exp_nonpositive's arithmetic.
 inline Simd::V exp_nonpositive(Simd::V x) {
   using S = Simd;
-  const S::V t = S::mul(S::max(x, S::set1(-87.f)), S::set1(1.44269504088896341f));
+  const S::V t = S::mul(S::max(x, S::set1(-87.f)), S::set1(kLog2e));
   const S::V n = S::round(t);
-  const S::V f = Simd::sub(t, n);
-  S::V p = S::set1(1.535336188319500e-4f);
-  for (float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
-                  6.931472028550421e-1f, 1.f})
-    p = S::fma(p, f, S::set1(c));
+  const S::V f = S::sub(t, n);
+  S::V p = S::set1(kExp2Poly[0]);
+  for (int i = 1; i < 7; ++i) p = S::fma(p, f, S::set1(kExp2Poly[i]));
   return S::times_pow2(p, n);
 }
 
@@ -275,10 +278,10 @@ inline std::pair<float, float> softmax_weights(float* weights, int64_t n, int64_
   S::store(lanes, m);
   const float mx = *std::max_element(lanes, lanes + W);
   for (int64_t i = 0; i < padded; i += W)
-    S::store(weights + i, exp_nonpositive(Simd::sub(S::load(weights + i), S::set1(mx))));
+    S::store(weights + i, exp_nonpositive(S::sub(S::load(weights + i), S::set1(mx))));
   std::fill(weights + n, weights + padded, 0.f);
   S::V sum = S::zero();
-  for (int64_t i = 0; i < padded; i += W) sum = Simd::add(sum, S::load(weights + i));
+  for (int64_t i = 0; i < padded; i += W) sum = S::add(sum, S::load(weights + i));
   S::store(lanes, sum);
   float total = 0.f;
   for (float x : lanes) total += x;
@@ -311,19 +314,23 @@ void values_simd(const T* v, int64_t v_stride, const int64_t* rows, int64_t n, i
   }
 }
 
-// values_simd for heads g0 .. G - 1, as many at once as the registers hold (CB = 4 vectors of a row at a time
-// when the row is a multiple of 4 vectors, else 1).
+// values_simd for all G heads, as many at once as the registers hold: GP x CB accumulators and CB row vectors
+// in kRegs registers, at most 4 heads (CB = 4 vectors of a row at a time when the row is a multiple of 4
+// vectors, else 1; AVX2 with CB = 4 takes 3 heads at once).
 template <typename T, int64_t NB>
 void values_all(const T* v, int64_t v_stride, const int64_t* rows, int64_t n, int64_t nb, int64_t G,
                 const float (*weights)[kChunk], Partial* out) {
   constexpr int CB = NB && NB % 4 == 0 ? 4 : 1;
-  constexpr int most = std::min<int>(4, Simd::kRegs / CB - 1);
+  constexpr int kMost = std::min<int>(4, Simd::kRegs / CB - 1);
+  static_assert(kMost >= 3, "values_all dispatches 1 to 4 heads at once");
   for (int64_t g = 0; g < G;) {
-    const int64_t gp = std::min<int64_t>(most, G - g);
-    if (gp >= 4) values_simd<T, NB, std::min(4, most), CB>(v, v_stride, rows, n, nb, weights, g, out);
-    else if (gp == 3) values_simd<T, NB, std::min(3, most), CB>(v, v_stride, rows, n, nb, weights, g, out);
-    else if (gp == 2) values_simd<T, NB, 2, CB>(v, v_stride, rows, n, nb, weights, g, out);
-    else values_simd<T, NB, 1, CB>(v, v_stride, rows, n, nb, weights, g, out);
+    const int64_t gp = std::min<int64_t>(kMost, G - g);
+    switch (gp) {
+      case 1: values_simd<T, NB, 1, CB>(v, v_stride, rows, n, nb, weights, g, out); break;
+      case 2: values_simd<T, NB, 2, CB>(v, v_stride, rows, n, nb, weights, g, out); break;
+      case 3: values_simd<T, NB, 3, CB>(v, v_stride, rows, n, nb, weights, g, out); break;
+      default: values_simd<T, NB, kMost, CB>(v, v_stride, rows, n, nb, weights, g, out);  // kMost == 4 here
+    }
     g += gp;
   }
 }
@@ -335,9 +342,8 @@ void attend_chunk_simd(const float* qf, const T* k, const T* v, const bool* mask
                        int64_t D, float scale, Partial* out) {
   constexpr int64_t W = Simd::W;
   alignas(64) float weights[kMaxGroup][kChunk];
-  int64_t rows[kChunk], n = 0;
-  for (int64_t s = begin; s < end; ++s)
-    if (mask[s * mask_stride]) rows[n++] = s;
+  int64_t rows[kChunk];
+  const int64_t n = allowed_slots(mask, mask_stride, begin, end, rows);
   if (n == 0) return;  // sum stays 0: the merge skips this chunk
   const int64_t padded = (n + W - 1) / W * W, nb = D / W;
   for (int64_t i = n; i < padded; ++i) rows[i] = rows[n - 1];  // scores past n are computed, never used
@@ -397,17 +403,19 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   const bool* mp = mask.data_ptr<bool>();
+  const auto attend = pick_chunk<T>(D);
   std::unique_ptr<Partial[]> parts(new Partial[B * Hkv * chunks * G]);  // acc left unset: each chunk writes it
   at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t first, int64_t last) {
     float qt[kMaxGroup * kMaxDim];
+    int64_t qt_head = -1;  // the (b, h) whose query rows qt holds: a thread's tasks run through its chunks in order
     for (int64_t task = first; task < last; ++task) {
       const int64_t b = task / (Hkv * chunks), h = (task / chunks) % Hkv, c = task % chunks;
-      query_rows<T>(q, b, h, G, qt);
+      if (task / chunks != qt_head) query_rows<T>(q, b, h, G, qt), qt_head = task / chunks;
       const T* kt = kp + b * k.stride(0) + h * k.stride(1);
       const T* vt = vp + b * v.stride(0) + h * v.stride(1);
       const int64_t begin = c * kChunk, end = std::min(S, (c + 1) * kChunk);
-      pick_chunk<T>(D)(qt, kt, vt, mp + b * mask_b, k.stride(2), v.stride(2), mask_s, begin, end, G, D, scale,
-                       &parts[task * G]);
+      attend(qt, kt, vt, mp + b * mask_b, k.stride(2), v.stride(2), mask_s, begin, end, G, D, scale,
+             &parts[task * G]);
     }
   });
   T* op = out.data_ptr<T>();  // [B, H, 1, D], contiguous
