@@ -16,7 +16,7 @@ export GOMP_SPINCOUNT ?= 10000
 # JupyterLab refuses to run as root (CI, containers) unless told.
 ROOT_FLAG := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 
-.PHONY: setup model lab llama-server test test-lane-a test-lane-b unit notebooks notebooks-default-model notebooks-test-model test-under-load browser-test bench report compare labs check-labs clean grade test-grade nbgrader-course
+.PHONY: setup model lab llama-cpp llama-server test test-lane-a test-lane-b unit notebooks notebooks-default-model notebooks-test-model test-under-load browser-test bench report compare labs check-labs clean grade test-grade nbgrader-course
 
 setup: $(STAMP) $(BYTECODE) model
 
@@ -48,9 +48,9 @@ lab: setup
 	$(VENV)/bin/jupyter lab $(ROOT_FLAG) --ServerApp.root_dir=$(CURDIR) notebooks/00_setup.ipynb
 
 # make test, one timed step each (tools/step.py prints a line as each ends and the table at the end):
-#   setup (make -j2: bytecode compiled while the model is prepared); then, in two lanes side by side (below),
-#   the benchmark's short setting (fast path and llama.cpp rows; the first run on a machine builds llama.cpp
-#   once, kept per machine; at the head of lane b, before the roofline lab needs llama.cpp), the unit tests and
+#   setup (make -j2: bytecode compiled while the model is prepared); llama.cpp (make llama-cpp: built once per
+#   machine, on both cores, before the lanes); then, in two lanes side by side (below),
+#   the benchmark's short setting (fast path and llama.cpp rows; at the head of lane b), the unit tests and
 #   every chapter and solved lab under nbval (lax:
 #   timings and plots may differ, a failing assert still fails) at CI's short settings (WORKBOOK_QUICK=1),
 #   once on the default model and once on the tiny test model (another model is one setting away) with
@@ -70,6 +70,7 @@ STEP = $(PYTHON) tools/step.py $(STEPS)
 test:
 	@mkdir -p reports && rm -f $(STEPS)
 	@$(STEP) setup -- $(MAKE) --no-print-directory -j2 setup $(GRADE_EXTRA)
+	@$(STEP) llama-cpp -- $(MAKE) --no-print-directory llama-cpp
 	@rm -rf $(CI_REPORT_DEFAULT)
 	@$(STEP) --side-by-side "$(MAKE) --no-print-directory test-lane-a" "$(MAKE) --no-print-directory test-lane-b"
 	@$(STEP) reports-join-validate -- sh -c '$(PY) -m utils.report join $(CI_REPORT_DEFAULT) && \
@@ -143,6 +144,14 @@ notebooks: setup
 BENCH_QUICK := --fast-path --quick --contexts 128 --prompt-tokens 128 --new-tokens 16 --repeats 2 --server llama.cpp
 bench: setup
 	$(PY) -m utils.bench $(if $(filter-out 0,$(QUICK)),$(BENCH_QUICK),--fast-path) $(if $(SERVER),--server $(SERVER))
+
+# llama.cpp, the peer engine: its Python binding (utils/peer.py: the bench's and the roofline lab's llama.cpp rows)
+# and its server, each built once per machine (about 6 + 4 min on 2 cores; afterwards a second). make test runs it
+# before its two lanes: built inside a lane, beside the other lane's notebooks, the two took over 30 min on a cold
+# 2-core AVX2 EPYC (the bench step's limit) and their compiles disturbed that lane's timings. Never fails: where
+# llama.cpp cannot be built it prints why, and the bench and the lab say so in their rows.
+llama-cpp: setup llama-server
+	$(PY) -c "from utils import peer; print('llama.cpp:', peer.ensure_installed() or 'installed')"
 
 # llama.cpp's OpenAI-compatible server (utils/llama_server.py), built once per machine from the llama.cpp
 # sources in llama-cpp-python's source package: chapter 07's real-engine section and make bench SERVER=llama.cpp.
