@@ -138,7 +138,7 @@ notebooks: setup
 # llama-cpp-python once (4-6 minutes on 2 cores, kept in .cache/wheels); `make bench QUICK=1` is
 # CI's short setting (make test runs it first, so the roofline lab finds llama.cpp installed).
 # SERVER=URL adds an OpenAI-compatible server's row, timed over HTTP; SERVER=llama.cpp starts llama.cpp's own
-# server here on the embedded file (built once on first use, about 4 minutes on 2 cores: make llama-server).
+# server here on the embedded file (built once on first use, 4-9 minutes on 2 cores: make llama-server).
 # CI's short setting measures llama.cpp's server too (make test builds it once per machine here, before
 # chapter 07 needs it).
 BENCH_QUICK := --fast-path --quick --contexts 128 --prompt-tokens 128 --new-tokens 16 --repeats 2 --server llama.cpp
@@ -146,9 +146,9 @@ bench: setup
 	$(PY) -m utils.bench $(if $(filter-out 0,$(QUICK)),$(BENCH_QUICK),--fast-path) $(if $(SERVER),--server $(SERVER))
 
 # llama.cpp, the peer engine: its Python binding (utils/peer.py: the bench's and the roofline lab's llama.cpp rows)
-# and its server, each built once per machine (about 6 + 4 min on 2 cores; afterwards a second). make test runs it
-# before its two lanes: built inside a lane, beside the other lane's notebooks, the two took over 30 min on a cold
-# 2-core AVX2 EPYC (the bench step's limit) and their compiles disturbed that lane's timings. Never fails: where
+# and its server, each built once per machine (on a 2-core AVX2 EPYC 5.5 + 8.5 min; afterwards a second). make test
+# runs it before its two lanes: built inside a lane, beside the other lane's notebooks, the two took over 30 min
+# there (the bench step's limit) and their compiles disturbed that lane's timings. Never fails: where
 # llama.cpp cannot be built it prints why, and the bench and the lab say so in their rows.
 llama-cpp: setup llama-server
 	$(PY) -c "from utils import peer; print('llama.cpp:', peer.ensure_installed() or 'installed')"

@@ -13,7 +13,7 @@ llama.cpp's server) are measured from the outside, through their OpenAI-compatib
   :data:`utils.peer.LLAMA_CPP_PYTHON`), built for this CPU with the same flags.
 
 It is not on PyPI as a program, so :func:`ensure_built` builds it once per machine from that source
-package (CMake; about 4 minutes on 2 cores, log in ``.cache/llama-server-build.log``) into
+package (CMake; 4-9 minutes on 2 cores, log in ``.cache/llama-server-build.log``) into
 ``~/.cache/prefill-decode-workbook/llama-server/<key>/`` (the key names the sources, the flags and the
 CPU). ``$WORKBOOK_LLAMA_SERVER`` points at a ``llama-server`` of your own instead. :func:`status`
 says whether it is there, and why not; notebooks and tests skip what needs it when it is missing.
@@ -83,7 +83,7 @@ def status() -> str:
         return ""
     if os.environ.get("WORKBOOK_LLAMA_SERVER"):
         return f"$WORKBOOK_LLAMA_SERVER is {path}, which is not an executable file"
-    return "llama-server is not built on this machine: `make llama-server` builds it once (about 4 min on 2 cores)"
+    return "llama-server is not built on this machine: `make llama-server` builds it once (4-9 min on 2 cores)"
 
 
 def ensure_built(log: Path | None = None, timeout_s: float = 3600) -> str:
@@ -98,7 +98,7 @@ def ensure_built(log: Path | None = None, timeout_s: float = 3600) -> str:
     log = log or REPO_ROOT / ".cache" / "llama-server-build.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"Building llama-server from {LLAMA_CPP_PYTHON}'s llama.cpp sources once "
-          f"(about 4 minutes on 2 cores; log: {log}) ...", flush=True)
+          f"(4-9 minutes on 2 cores; log: {log}) ...", flush=True)
     with tempfile.TemporaryDirectory(prefix="llama-server-") as tmp:
         ok = _build(Path(tmp), log, time.monotonic() + timeout_s)
     return status() if ok else f"llama-server did not build (see {log})"
