@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from utils import cpu_attention
+from utils import cpu_attention, cpu_extension
 
 
 def pytorch_attention(q, k, v, mask):
@@ -51,8 +51,8 @@ def test_cpu_decode_attention_refuses_shapes_it_does_not_handle():
 
 def test_a_machine_without_a_compiler_gets_a_warning_not_a_failure(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with pytest.warns(UserWarning, match="could not be built, PyTorch's attention is used"):
-        assert cpu_attention.build(tmp_path / "kernel.so") is False
+    with pytest.warns(UserWarning, match="could not be built, PyTorch's own kernels are used"):
+        assert cpu_extension.build(tmp_path / "kernel.so") is False
     assert not (tmp_path / "kernel.so").exists()
 
 
@@ -60,12 +60,12 @@ def test_an_imitated_cpu_gets_a_kernel_for_its_instruction_sets(monkeypatch):
     """Under ATEN_CPU_CAPABILITY=avx2 (a laptop imitated) the kernel is compiled for AVX2, not for this CPU, and
     kept under another name."""
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)  # this run's own setting aside
-    native = cpu_attention.library_path()
-    assert "-march=native" in cpu_attention.compile_command(native)
+    native = cpu_extension.library_path()
+    assert "-march=native" in cpu_extension.compile_command(native)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
-    command = cpu_attention.compile_command(native)
+    command = cpu_extension.compile_command(native)
     assert "-mavx2" in command and "-march=native" not in command
-    assert cpu_attention.library_path() != native
+    assert cpu_extension.library_path() != native
 
 
 def test_shapes_beyond_the_kernel_go_to_pytorch():

@@ -53,6 +53,7 @@ def test_interleaved_setup_runs_untimed_and_feeds_its_call():
 
 @pytest.mark.parametrize("name, kind", [
     ("aten::mm", "matmul"), ("aten::addmm", "matmul"), ("aten::_weight_int8pack_mm", "matmul"),
+    ("workbook::int8_linear", "matmul"), ("workbook::int4_linear", "matmul"), ("workbook::decode_attention", "attention"),
     ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"), ("aten::softmax", "attention"),
     ("aten::mul", "everything else"), ("aten::index_copy_", "everything else")])
 def test_op_kind(name, kind):

@@ -16,7 +16,9 @@ modules listed before it (``tests/test_layering.py`` checks it).
 - ``sampling``      greedy, temperature, top-k, top-p, seeded
 - ``models``        load the embedded default model (offline) or another one; its spec; the test model; shape-only models
 - ``peer``          llama.cpp, the peer engine, on the embedded GGUF file (optional; built on first use)
-- ``cpu_attention`` decode attention over a bf16 cache on a CPU: the workbook's C++ kernel, built once per machine
+- ``cpu_extension`` the workbook's own CPU kernels (C++, ``csrc/``): built once per machine into one library, loaded on first use
+- ``cpu_attention`` decode attention over a bf16 cache on a CPU: the workbook's C++ kernel
+- ``cpu_quant``     int8 / int4 weight-only matrix products for decode on a CPU: the workbook's C++ kernels
 - ``llama``         a hand-written Llama forward pass and its preallocated KV cache
 - ``phases``        prefill / decode / extend through transformers (one backend)
 - ``llama_phases``  prefill / decode / extend through the hand-written model (the other backend)
@@ -56,6 +58,6 @@ for _name in ("torchao", "torch.utils._pytree"):
 __version__ = "0.1.0"
 
 MODULE_ORDER = ("errors", "results", "roofline", "shapes", "device", "timing", "decide", "hardware", "plotting", "tokens", "sampling",
-                "models", "peer", "cpu_attention", "llama", "phases", "llama_phases", "engine", "requests", "blocks", "scheduler", "executors", "batching", "simulator", "paged", "long_context", "meter", "openai_client", "load_generator", "llama_server", "verdicts", "quant", "variants", "fast", "decode_table", "speculative", "checks",
+                "models", "peer", "cpu_extension", "cpu_attention", "cpu_quant", "llama", "phases", "llama_phases", "engine", "requests", "blocks", "scheduler", "executors", "batching", "simulator", "paged", "long_context", "meter", "openai_client", "load_generator", "llama_server", "verdicts", "quant", "variants", "fast", "decode_table", "speculative", "checks",
                 "chapter", "bench", "report", "grade")
 """The package's modules, bottom to top: each imports only modules before it."""

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import cpu_attention, llama, llama_phases, quant
+from . import cpu_attention, cpu_extension, cpu_quant, llama, llama_phases, quant
 from .engine import PhaseResult
 from .errors import WorkbookError, check_prompt_length, check_token_count
 from .llama import KVCache, Llama, iter_linears
@@ -222,11 +222,12 @@ def _this_cpu() -> str:
 def step_key(step: DecodeStep, settings: dict[str, Any]) -> str:
     """What a packaged step depends on: torch, this CPU, the code of the model, the settings (with inductor's own
     ``TORCHINDUCTOR_*`` variables, e.g. the GEMM backends a user picked), the cache's shapes and every weight's
-    bytes (the package holds the weights, pre-packed), and which decode attention it calls (the workbook's CPU
-    kernel, named by its source, or PyTorch's). Not the cache's contents."""
+    bytes (the package holds the weights, pre-packed), and which kernels it calls (the workbook's CPU kernels,
+    named by their sources, or PyTorch's). Not the cache's contents."""
     h = hashlib.blake2b(digest_size=16)
     inductor_env = sorted((k, v) for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_"))
-    kernel = cpu_attention.library_path().name if cpu_attention.available() else "pytorch attention"
+    kernel = (f"{cpu_extension.library_path().name} attention={cpu_attention.available()} quant={cpu_quant.available()}"
+              if cpu_extension.load() else "pytorch kernels")
     for part in (torch.__version__, _this_cpu(), kernel, inspect.getsource(llama), inspect.getsource(quant),
                  inspect.getsource(DecodeStep), repr(sorted(settings.items())), repr(inductor_env)):
         h.update(part.encode())
@@ -441,25 +442,30 @@ def explain_recompiles(fn: Callable[[], Any]) -> list[str]:
     return reasons
 
 
-@torch.inference_mode()
+def projections_once(model: Llama) -> Callable[[], None]:
+    """A call that applies every layer of :func:`~utils.llama.iter_linears` once to one row, nothing else: what
+    :func:`projections_seconds` times (and :func:`utils.timing.interleaved` can time beside another model's)."""
+    layers = [m for _, m in iter_linears(model)]
+    rows = {m.in_features: torch.randn(1, m.in_features, dtype=model.dtype, device=model.device)
+            for m in layers}
+
+    @torch.inference_mode()
+    def once() -> None:
+        for m in layers:
+            m(rows[m.in_features])
+
+    return once
+
+
 def projections_seconds(model: Llama, repeats: int = 5) -> float:
-    """Seconds one decode step spends in its projections alone: every layer of
-    :func:`~utils.llama.iter_linears` applied once to one row, nothing else (median of ``repeats``).
+    """Seconds one decode step spends in its projections alone (:func:`projections_once`, median of ``repeats``).
 
     ``bytes_read_per_token(model) / projections_seconds(model)`` is the speed at which this
     device's matmul kernels read these weights: the ceiling that the *kernels* allow, which can
     sit far below the one the memory allows (a bf16 matrix-vector product that converts each
     weight to float32 on the way can be compute-bound on a CPU).
     """
-    layers = [m for _, m in iter_linears(model)]
-    rows = {m.in_features: torch.randn(1, m.in_features, dtype=model.dtype, device=model.device)
-            for m in layers}
-
-    def once() -> None:
-        for m in layers:
-            m(rows[m.in_features])
-
-    return measure(once, warmup=1, repeats=repeats, device=model.device, progress=False).median
+    return measure(projections_once(model), warmup=1, repeats=repeats, device=model.device, progress=False).median
 
 
 ATTENTION_KERNELS = ("pytorch", "pytorch in float32", "workbook")

@@ -23,7 +23,11 @@ int4, per group of ``g`` inputs, asymmetric (scale and zero point)
     Storage per weight: 4 bits plus a scale and a zero per group, e.g. bf16 ones at
     g = 32 add 1 bit: 5 bits per weight.
 
-Kernels (PyTorch's own, ``torch.ops.aten``), checked against the reference on first use
+Kernels, checked against the reference when a module is built (``kernel`` picks them; ``kernel_note`` says which ran)
+    - ``"workbook"`` (CPU): the workbook's own decode kernels (:mod:`utils.cpu_quant`): int8 as stored, int4 in
+      blocks of 32 with a float16 scale and offset per group (GGUF's Q4_1 idea). On a CPU they read the weights
+      faster than PyTorch's for decode's few rows; :func:`quantized_copy` picks them where they are built.
+    - ``"aten"``, PyTorch's own (``torch.ops.aten``):
     - ``_weight_int8pack_mm(x, q, scales)``: ``x @ (q * scales).T``, scales in x's dtype.
     - CPU int4: ``_convert_weight_to_int4pack_for_cpu(q int32 [N, K], 1)`` and
       ``_weight_int4pack_mm_for_cpu(x, packed, g, scales_and_zeros)``, where
@@ -64,6 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import cpu_quant
 from .llama import Llama, iter_linears, replace_linear
 
 INT8_MAX = 127
@@ -256,14 +261,32 @@ def kernel_agrees(kernel: Callable[[Tensor], Tensor], reference: Callable[[Tenso
     return True, ""
 
 
-def _decide_kernel(use_kernel: bool | None, agrees: tuple[bool, str], name: str) -> tuple[bool, str]:
+KERNELS = ("workbook", "aten")
+"""The kernels a quantized layer may call: the workbook's own (CPU, :mod:`utils.cpu_quant`) or PyTorch's."""
+
+
+def kernel_here(device: torch.device | str) -> str:
+    """The kernel a layer on ``device`` calls by default: the workbook's on a CPU where it is built, else aten's."""
+    return "workbook" if torch.device(device).type == "cpu" and cpu_quant.available() else "aten"
+
+
+def _check_kernel(kernel: str, device: torch.device) -> tuple[str, str]:
+    """``(kernel to use, why not the one asked for)``: the workbook's falls back to aten's off a CPU or unbuilt."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
+    if kernel == "workbook" and kernel_here(device) != "workbook":
+        return "aten", "; the workbook's kernel runs on a CPU where it is built (utils.cpu_quant), not here"
+    return kernel, ""
+
+
+def _decide_kernel(use_kernel: bool | None, agrees: tuple[bool, str], name: str, kernel: str = "aten") -> tuple[bool, str]:
     """Resolve ``use_kernel`` (None = when it works) into (use it, note)."""
     if use_kernel is False:
         return False, "reference path (asked for)"
     ok, why = agrees
     if not ok and use_kernel:
-        raise RuntimeError(f"{name}: the kernel was asked for but cannot be used here: {why}")
-    return ok, ("aten kernel" if ok else f"reference path: {why}")
+        raise RuntimeError(f"{name}: the {kernel} kernel was asked for but cannot be used here: {why}")
+    return ok, (f"{kernel} kernel" if ok else f"reference path: {why}")
 
 
 # ----------------------------------------------------------------------------- modules
@@ -273,33 +296,38 @@ class Int8Linear(nn.Module):
     """A linear layer with int8 weights (per-output-channel scales); same call as nn.Linear.
 
     Buffers: ``q`` int8 [out, in], ``scale`` [out] and ``bias`` (if any) in the
-    activation dtype. ``forward`` uses ``aten._weight_int8pack_mm`` when it runs here
-    (``path == "kernel"``; then ``q`` is zero-padded to a multiple of 16 columns where
-    ``in_features`` is not one, see ``padding``), else :func:`int8_matmul_reference`.
+    activation dtype (float32 for the workbook's kernel). ``forward`` uses ``kernel``
+    (:data:`KERNELS`) when it runs here (``path == "kernel"``; aten's needs ``q`` zero-padded
+    to a multiple of 16 columns where ``in_features`` is not one, see ``padding``), else
+    :func:`int8_matmul_reference`.
     """
 
     def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None,
-                 dtype: torch.dtype = torch.float32, use_kernel: bool | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, use_kernel: bool | None = None, kernel: str = "aten") -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
-        scale = scale.to(dtype)
+        self.kernel, fell_back = _check_kernel(kernel, q.device)
+        own = self.kernel == "workbook" and use_kernel is not False
+        scale = scale.float() if own else scale.to(dtype)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
-        q_kernel = pad_to_multiple(q, INT8_KERNEL_K_MULTIPLE)
+        q_kernel = q.contiguous() if own else pad_to_multiple(q, INT8_KERNEL_K_MULTIPLE)
+        product = cpu_quant.int8_linear if own else int8_matmul_kernel
         agrees = (False, "not probed") if use_kernel is False else kernel_agrees(
-            lambda x: int8_matmul_kernel(x, q_kernel, scale),
+            lambda x: product(x, q_kernel, scale),
             lambda x: int8_matmul_reference(x, q[:PROBE_ROWS], scale[:PROBE_ROWS]),
             self.in_features, dtype, q.device)
-        self.use_kernel, self.kernel_note = _decide_kernel(use_kernel, agrees, "Int8Linear")
+        self.use_kernel, self.kernel_note = _decide_kernel(use_kernel, agrees, "Int8Linear", self.kernel)
+        self.kernel_note += fell_back if self.use_kernel else ""
         self.register_buffer("q", q_kernel if self.use_kernel else q)
         self.padding = _padding_note(q.shape, self.q.shape)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype | None = None,
-                    use_kernel: bool | None = None) -> "Int8Linear":
+                    use_kernel: bool | None = None, kernel: str = "aten") -> "Int8Linear":
         """Quantize ``linear``'s weight; ``dtype``: the activations' dtype (default: the weight's)."""
         q, scale = quantize_int8(linear.weight)
-        return cls(q, scale, linear.bias, dtype or linear.weight.dtype, use_kernel)
+        return cls(q, scale, linear.bias, dtype or linear.weight.dtype, use_kernel, kernel)
 
     @property
     def path(self) -> str:
@@ -310,14 +338,16 @@ class Int8Linear(nn.Module):
         return dequantize_int8(self.q[:, : self.in_features], self.scale)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.use_kernel:
+        if self.use_kernel and self.kernel == "workbook":
+            y = cpu_quant.int8_linear(x, self.q, self.scale)
+        elif self.use_kernel:
             y = int8_matmul_kernel(x, self.q, self.scale)
         else:
             y = int8_matmul_reference(x, self.q, self.scale)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, path={self.path}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, path={self.path}, kernel={self.kernel}"
 
 
 def _padding_note(true_shape: tuple[int, ...], stored_shape: tuple[int, ...]) -> str:
@@ -332,15 +362,18 @@ class Int4Linear(nn.Module):
 
     Reference path: buffers ``packed`` uint8 [out, K_p/2] (:func:`pack_int4`), ``scales`` and
     ``zeros`` [out, K_p/g], and the weight is de-quantized at every call (slow), then cut
-    to ``in_features``. Kernel path: ``packed`` holds the kernel's own layout and
+    to ``in_features``. aten kernel path: ``packed`` holds the kernel's own layout and
     ``scales_and_zeros`` [K_p/g, N_p, 2], the rows zero-padded to ``N_p``, a multiple of 16
     (``padding`` says when); the output is cut back to ``out_features``. Both keep
-    scales/zeros in the activation dtype. Build it on the device it will run on.
+    scales/zeros in the activation dtype. Workbook kernel path (CPU, ``g`` a multiple of 32):
+    ``packed`` [out, K_p/2] in blocks of 32 and ``dm`` [out, K_p/g, 2] float16
+    (:func:`utils.cpu_quant.int4_pack`, :func:`utils.cpu_quant.int4_dm`); nothing padded.
+    Build it on the device it will run on.
     """
 
     def __init__(self, q: Tensor, scales: Tensor, zeros: Tensor, group_size: int,
                  bias: Tensor | None = None, dtype: torch.dtype = torch.float32,
-                 use_kernel: bool | None = None, in_features: int | None = None) -> None:
+                 use_kernel: bool | None = None, in_features: int | None = None, kernel: str = "aten") -> None:
         """``q``: unpacked values [out, K_p] in [0, 15] (K_p a multiple of ``group_size``);
         ``scales``, ``zeros``: [out, K_p/g]; ``in_features``: the true width (default K_p)."""
         super().__init__()
@@ -351,10 +384,17 @@ class Int4Linear(nn.Module):
                              f"{group_size} covering in_features={self.in_features}: use quantize_int4_unpacked.")
         self.group_size, self.dtype = group_size, dtype
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+        self.kernel, fell_back = _check_kernel(kernel, q.device)
+        if self.kernel == "workbook" and group_size % cpu_quant.INT4_BLOCK:
+            self.kernel, fell_back = "aten", f"; the workbook's kernel needs groups of a multiple of {cpu_quant.INT4_BLOCK}"
+        if self.kernel == "workbook" and use_kernel is not False:
+            self._init_workbook(q, scales, zeros, use_kernel, fell_back)
+            return
         scales, zeros = scales.to(dtype), zeros.to(dtype)
         rows = [pad_to_multiple(t, INT4_KERNEL_N_MULTIPLE, dim=0) for t in (q, scales, zeros)]
         agrees = (False, "not probed") if use_kernel is False else self._probe(q, scales, zeros, *rows)
         self.use_kernel, self.kernel_note = _decide_kernel(use_kernel, agrees, "Int4Linear")
+        self.kernel_note += fell_back if self.use_kernel else ""
         if self.use_kernel:
             self.register_buffer("packed", int4_kernel_pack(rows[0], q.device))
             self.register_buffer("scales_and_zeros", int4_scales_and_zeros(rows[1], rows[2], dtype))
@@ -364,6 +404,25 @@ class Int4Linear(nn.Module):
             self.register_buffer("zeros", zeros)
         self.padding = _padding_note((self.out_features, self.in_features),
                                      (rows[0] if self.use_kernel else q).shape)
+
+    def _init_workbook(self, q: Tensor, scales: Tensor, zeros: Tensor, use_kernel: bool | None, fell_back: str) -> None:
+        """The workbook kernel's buffers, probed against the reference; the reference path's where it disagrees."""
+        packed, dm = cpu_quant.int4_pack(q), cpu_quant.int4_dm(scales, zeros)
+        rows = slice(0, PROBE_ROWS)
+        weight = dequantize_int4(pack_int4(q[rows]), scales[rows], zeros[rows], self.group_size, self.dtype,
+                                 self.in_features)
+        agrees = kernel_agrees(lambda x: cpu_quant.int4_linear(_pad_input(x, q.shape[1]), packed, dm, self.group_size),
+                               lambda x: F.linear(x, weight), self.in_features, self.dtype, q.device)
+        self.use_kernel, self.kernel_note = _decide_kernel(use_kernel, agrees, "Int4Linear", "workbook")
+        if self.use_kernel:
+            self.register_buffer("packed", packed)
+            self.register_buffer("dm", dm)
+        else:
+            self.kernel = "aten"
+            self.register_buffer("packed", pack_int4(q))
+            self.register_buffer("scales", scales.to(self.dtype))
+            self.register_buffer("zeros", zeros.to(self.dtype))
+        self.padding = _padding_note((self.out_features, self.in_features), q.shape)
 
     def _probe(self, q: Tensor, scales: Tensor, zeros: Tensor, q_rows: Tensor, scales_rows: Tensor,
                zeros_rows: Tensor) -> tuple[bool, str]:
@@ -381,11 +440,11 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 32, dtype: torch.dtype | None = None,
-                    use_kernel: bool | None = None) -> "Int4Linear":
+                    use_kernel: bool | None = None, kernel: str = "aten") -> "Int4Linear":
         """Quantize ``linear``'s weight in groups of ``group_size``; ``dtype``: the activations'."""
         q, scales, zeros = quantize_int4_unpacked(linear.weight, group_size)
         return cls(q, scales, zeros, group_size, linear.bias, dtype or linear.weight.dtype, use_kernel,
-                   linear.in_features)
+                   linear.in_features, kernel)
 
     @property
     def path(self) -> str:
@@ -398,7 +457,9 @@ class Int4Linear(nn.Module):
         return dequantize_int4(self.packed, self.scales, self.zeros, self.group_size, in_features=self.in_features)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.use_kernel:
+        if self.use_kernel and self.kernel == "workbook":
+            y = cpu_quant.int4_linear(_pad_input(x, 2 * self.packed.shape[1]), self.packed, self.dm, self.group_size)
+        elif self.use_kernel:
             y = int4_matmul_kernel(x, self.packed, self.group_size, self.scales_and_zeros)
             y = y[..., : self.out_features]
         else:
@@ -408,35 +469,38 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"group_size={self.group_size}, path={self.path}")
+                f"group_size={self.group_size}, path={self.path}, kernel={self.kernel}")
 
 
 # ----------------------------------------------------------------------------- a quantized model
 
 
-def _quantized_layer(linear: nn.Linear, bits: int | None, group_size: int, dtype: torch.dtype) -> nn.Module:
+def _quantized_layer(linear: nn.Linear, bits: int | None, group_size: int, dtype: torch.dtype,
+                     kernel: str) -> nn.Module:
     if bits == 8:
-        return Int8Linear.from_linear(linear, dtype=dtype)
+        return Int8Linear.from_linear(linear, dtype=dtype, kernel=kernel)
     if bits == 4:
-        return Int4Linear.from_linear(linear, group_size, dtype=dtype)
+        return Int4Linear.from_linear(linear, group_size, dtype=dtype, kernel=kernel)
     if bits is None:
         return copy.deepcopy(linear).to(dtype)
     raise ValueError(f"bits must be 8, 4 or None (kept in {dtype}), got {bits!r}")
 
 
 def quantized_copy(model: Llama, bits: int | None = 4, head_bits: int | None = 8, group_size: int = 32,
-                   dtype: torch.dtype = torch.bfloat16) -> Llama:
+                   dtype: torch.dtype = torch.bfloat16, kernel: str | None = None) -> Llama:
     """A copy of ``model`` in ``dtype`` whose layer projections have ``bits``-bit weights (int4 in groups
-    of ``group_size``, or int8) and whose LM head has ``head_bits`` (None: kept in ``dtype``).
+    of ``group_size``, or int8) and whose LM head has ``head_bits`` (None: kept in ``dtype``), calling
+    ``kernel`` (:data:`KERNELS`; default :func:`kernel_here`: the workbook's on a CPU where it is built).
 
     The default, int4 layers with an int8 head, is the quantization lab's best variant: about a
     sixth of the bytes and nearly the same greedy tokens (an int4 head changes them within a few).
     ``model`` itself is not changed.
     """
     new = copy.deepcopy(model).to(dtype)
+    kernel = kernel or kernel_here(model.device)
     for name, linear in iter_linears(model):
         replace_linear(new, name, _quantized_layer(linear, head_bits if name == "lm_head" else bits,
-                                                   group_size, dtype))
+                                                   group_size, dtype, kernel))
     return new.eval()
 
 

@@ -167,7 +167,8 @@ def op_kind(name: str) -> str:
     if "attention" in n or "flash" in n or "fmha" in n or "softmax" in n:
         return "attention"
     if (n in ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
-            or "gemm" in n or "gemv" in n or "pack_mm" in n or "_linear_pointwise" in n):
+            or "gemm" in n or "gemv" in n or "pack_mm" in n or "_linear_pointwise" in n
+            or n in ("workbook::int8_linear", "workbook::int4_linear")):
         return "matmul"
     return "everything else"
 
