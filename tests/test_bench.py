@@ -78,3 +78,22 @@ def test_the_compile_targets_judge_built_and_loaded_steps_apart(capsys):
     cold, warm = capsys.readouterr().out.splitlines()
     assert "built here): not met for bfloat16 @128 (45 s); slowest 45.0 s" in cold  # a loaded step is not cold
     assert "loaded from disk): not met for int4 @1024 (6 s); slowest 6.5 s" in warm
+
+
+def test_the_workbook_quant_kernels_are_timed_against_atens_on_the_same_weights(lm, capsys):
+    """Each quantized form on the workbook's CPU kernels gets a line: its projections' speed on both kernels and
+    the two eager token streams compared; a form on PyTorch's kernels (or not quantized) gets none."""
+    import copy
+
+    from utils import quant
+    from utils.llama import Llama
+
+    fp32 = Llama.from_hf(lm.model).float()
+    forms = {"bfloat16": copy.deepcopy(fp32).bfloat16(), "int8": quant.quantized_copy(fp32, 8, 8),
+             "int4 g32 + int8 head": quant.quantized_copy(fp32, 4, 8, kernel="aten")}
+    got = bench.kernel_comparison(lm, forms, 4)
+    assert list(got) == ["int8"]
+    assert got["int8"]["workbook_GBps"] > 0 and got["int8"]["aten_GBps"] > 0
+    assert "/4 greedy tokens equal" in got["int8"]["tokens"]
+    bench.print_targets({"kernel_GBps": {}, "targets": {}, "rows": [], "own_kernels": got})
+    assert "int8: the workbook's kernels" in capsys.readouterr().out

@@ -38,13 +38,14 @@ from typing import Any, Iterator
 
 import torch
 
-from . import decode_table, fast, llama_server, peer, quant
+from . import decode_table, fast, llama, llama_server, peer, quant
 from .engine import decode_speed, generate, measure_prefill
 from .hardware import describe_machine, measure_matmul_flops, probe_bandwidth
 from .llama import Llama
 from .models import EMBEDDED, LoadedModel, load_model
 from .openai_client import Client, ServerError, measure_speed
 from .roofline import decode_bytes_per_token, decode_ceiling_tok_s
+from .timing import interleaved
 from .tokens import filler_ids
 from .variants import bytes_read_per_token
 
@@ -106,6 +107,30 @@ def fast_models(lm: LoadedModel, quick: bool) -> dict[str, Llama]:
         forms["float32"] = fp32
         forms["int8"] = quant.quantized_copy(fp32, 8, 8)
     return forms
+
+
+def kernel_comparison(lm: LoadedModel, forms: dict[str, Llama], new_tokens: int) -> dict[str, dict[str, Any]]:
+    """Each quantized form whose layers call the workbook's CPU kernels (:mod:`utils.cpu_quant`) against the same
+    quantization on PyTorch's kernels, in this run: both forms' projections alone (GB/s of their weights, as
+    :func:`utils.fast.projections_once`, timed in turns) and their eager greedy tokens on a short prompt, compared.
+    Empty where the workbook's kernels are not in use (a GPU, no compiler, ``WORKBOOK_CPU_QUANT=0``)."""
+    fp32, out = None, {}
+    ids = filler_ids(lm.tokenizer, 32, lm.device)
+    for weights, own in forms.items():
+        if "workbook" not in {getattr(m, "kernel", "") for _, m in llama.iter_linears(own)}:
+            continue
+        fp32 = Llama.from_hf(lm.model).float() if fp32 is None else fp32
+        bits, head_bits = (4, 8) if weights.startswith("int4") else (8, 8)
+        aten = quant.quantized_copy(fp32, bits, head_bits, kernel="aten")
+        models = {"workbook": own, "aten": aten}  # timed in turns: a slow spell hits both alike
+        times = interleaved({k: fast.projections_once(m) for k, m in models.items()}, repeats=7, progress=False)
+        speed = {k: bytes_read_per_token(models[k]) / t.median / 1e9 for k, t in times.items()}
+        a, b = (generate(m, ids, new_tokens)[0].tolist() for m in (own, aten))
+        split = decode_table.divergence(aten, ids, a, b)
+        out[weights] = {"workbook_GBps": round(speed["workbook"], 2), "aten_GBps": round(speed["aten"], 2),
+                        "speedup": round(speed["workbook"] / speed["aten"], 2),
+                        "tokens": f"{decode_table.tokens_agreed(a, b)}/{len(a)} greedy tokens equal" + decode_table.split_note(split)}
+    return out
 
 
 def fast_rows_at(lm: LoadedModel, forms: dict[str, Llama], context: int, new_tokens: int,
@@ -188,7 +213,8 @@ def run_fast_path(lm: LoadedModel, contexts: list[int], new_tokens: int, repeats
     # quick (CI): compile only the row that meets llama.cpp; the roofline lab compiles bf16 in the same run
     compiled = [QUICK_COMPILED] if quick else None
     kernels = {w: round(bytes_read_per_token(m) / fast.projections_seconds(m) / 1e9, 2) for w, m in forms.items()}
-    out: dict[str, Any] = {"rows": [], "kernel_GBps": kernels, "targets": {}, "llama_cpp": "not asked for"}
+    out: dict[str, Any] = {"rows": [], "kernel_GBps": kernels, "targets": {}, "llama_cpp": "not asked for",
+                           "own_kernels": kernel_comparison(lm, forms, new_tokens)}
     for context in contexts:
         rows = fast_rows_at(lm, forms, context, new_tokens, repeats, compiled)
         if with_llama_cpp:
@@ -268,6 +294,9 @@ def print_targets(fp: dict[str, Any]) -> None:
     """Each target, met or not, from this run's numbers; and what the matmul kernels allow."""
     print("kernels      projections alone read their weights at " +
           ", ".join(f"{w} {v} GB/s" for w, v in fp["kernel_GBps"].items()))
+    for weights, c in fp.get("own_kernels", {}).items():
+        print(f"kernels      {weights}: the workbook's kernels {c['workbook_GBps']} GB/s, the same weights on aten's "
+              f"{c['aten_GBps']} GB/s ({c['speedup']:.2f}x); eager, {c['tokens']}")
     for context, got in fp["targets"].items():
         parts = []
         for name, floor in TARGETS.items():

@@ -97,6 +97,15 @@ def divergence(model: Llama, prompt: Tensor, got: list[int], want: list[int]) ->
     return i, float((logits[want[i]] - logits[got[i]]).abs() / logits.abs().max())
 
 
+def split_note(split: tuple[int, float] | None) -> str:
+    """Why two token streams part (:func:`divergence`): a near-tie rounded the other way, or a real difference;
+    "" when they do not part."""
+    if split is None:
+        return ""
+    return (f" (at token {split[0]} the picks' logits differ by {split[1]:.2%} of the largest: "
+            + ("a near-tie)" if split[1] < NEAR_TIE else f"NOT a near-tie, over {NEAR_TIE:.0%})"))
+
+
 def eager_row(name: str, model: Any, ids: Tensor, n_tokens: int, *, weights: str, bytes_per_token: float,
               reference: Tensor | None = None, what: str = "", repeats: int = 3) -> Row:
     """A row for the eager loop of either backend (transformers or hand-written), via
@@ -122,9 +131,7 @@ def decoder_row(name: str, decoder: FastDecoder, ids: Tensor, n_tokens: int, *, 
     result = fast_decode_speed(decoder, ids, n_tokens, repeats=repeats)
     agree = agreement_column(tokens, reference, what) if reference is not None else ""
     split = divergence(decoder.model, ids, tokens.tolist(), reference.tolist()) if reference is not None else None
-    if split is not None:  # say why they part: a near-tie rounded the other way, or a real difference
-        agree += f" (at token {split[0]} the picks' logits differ by {split[1]:.2%} of the largest: " + (
-            "a near-tie)" if split[1] < NEAR_TIE else f"NOT a near-tie, over {NEAR_TIE:.0%})")
+    agree += split_note(split)
     return Row(name, weights, ids.shape[-1], result.tok_s, step_bytes(decoder.model, ids.shape[-1] + n_tokens // 2),
                agree, decoder.compile_s if decoder.compiled else None, result.timing.noisy, tokens.tolist(),
                result.timing.relative_spread, split=split, compiled_how=how, reload_s=reload_s)
