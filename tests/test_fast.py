@@ -256,3 +256,18 @@ def test_the_phase_speeds_have_one_shape(lm, model):
     assert (dec.phase, dec.tokens) == (fast_dec.phase, fast_dec.tokens) == ("decode", 8)
     assert all(isinstance(r, engine.PhaseResult) and r.tok_s > 0 for r in (pre, dec, fast_dec))
     assert engine.measure_prefill(lm, 8, repeats=1).tokens == 8
+
+
+def test_decode_copies_each_token_out_before_the_next_step(model):
+    """A step compiled with CUDA graphs returns the same output buffer at every replay: the loop must never hand
+    that buffer back as the next step's input (on a GPU the replay overwrote it: 'accessing tensor output of
+    CUDAGraphs that has been overwritten'). Here a step that returns one buffer, as a graph replay does."""
+    decoder = fast.FastDecoder.build(model, 64, compiled=False)
+    real, buffer = decoder.step, torch.zeros(1, dtype=torch.long)
+
+    def replay(token, slot):
+        assert token.data_ptr() != buffer.data_ptr(), "the last step's output buffer came back as its input"
+        return buffer.copy_(real(token, slot))
+
+    decoder.step = replay
+    assert torch.equal(decoder.generate(IDS, 8), engine.generate(model, IDS, 8))

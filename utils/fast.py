@@ -369,11 +369,16 @@ class FastDecoder:
                                 f"{self.cache.max_len} slots: build the decoder with a larger max_len.")
         out = token.new_empty(token.shape[0], n)
         slot = torch.tensor([start], device=token.device)
-        token = token.view(-1, 1)
+        token = token.view(-1, 1).clone()
+        # CUDA graphs (reduce-overhead) replay into the same output buffer: each step is announced as a new one, and
+        # its token is copied out (into ``out`` and ``token``) before the next replay overwrites it.
+        graphs = self.compiled and token.device.type == "cuda"
         for i in range(n):
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
             nxt = self.step(token, slot)  # [B]
             out[:, i] = nxt
-            token = nxt.view(-1, 1)
+            token.copy_(nxt.view(-1, 1))
             slot += 1
         self.cache.length = start + n
         self.calls += n
