@@ -39,6 +39,7 @@ from typing import Any, Iterator
 import torch
 
 from . import decode_table, fast, llama, llama_server, peer, quant
+from .decide import MIN_SPREAD
 from .engine import decode_speed, generate, measure_prefill
 from .hardware import describe_machine, measure_matmul_flops, probe_bandwidth
 from .llama import Llama
@@ -174,7 +175,8 @@ WARM_COMPILE_S = 5.0
 def context_drops(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each compiled row's speed at the longest context over its speed at the shortest: measured, and predicted
     by the bytes a step reads (``bytes short / bytes long``: a step that only reads grows with its bytes).
-    Met when the measured ratio is no lower than the prediction less the two timings' spreads."""
+    Met when the measured ratio is no lower than the prediction less the two timings' spreads, taken no smaller
+    than :data:`utils.decide.MIN_SPREAD` (two very steady timings still differ by their timer's grain)."""
     compiled = [r for r in rows if r["name"] == "compiled step"]
     short, long = min(r["context"] for r in rows), max(r["context"] for r in rows)
     out = []
@@ -185,7 +187,7 @@ def context_drops(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         measured, predicted = r["tok_s"] / s["tok_s"], s["bytes_per_token"] / r["bytes_per_token"]
         out.append({"weights": r["weights"], "contexts": [short, long], "measured": round(measured, 3),
                     "predicted_by_bytes": round(predicted, 3),
-                    "met": measured >= predicted * (1 - r.get("spread", 0) - s.get("spread", 0))})
+                    "met": measured >= predicted * (1 - max(r.get("spread", 0) + s.get("spread", 0), MIN_SPREAD))})
     return out
 
 
