@@ -271,3 +271,14 @@ def test_decode_copies_each_token_out_before_the_next_step(model):
 
     decoder.step = replay
     assert torch.equal(decoder.generate(IDS, 8), engine.generate(model, IDS, 8))
+
+
+def test_a_step_on_the_workbooks_kernels_compiles_without_freezing(model):
+    """Freezing pre-packs float weights; a model whose projections all call the workbook's kernels has none, and
+    skips it (a sixth of the build on 2 cores); one float projection left brings it back."""
+    own = quant.quantized_copy(model, 4, 8, dtype=torch.float32)
+    assert not fast.has_weights_to_pack(own)
+    assert not fast.inductor_settings(fast.DecodeStep(own, own.new_cache(1, 64, static=True)))["freezing"]
+    assert fast.inductor_settings(fast.DecodeStep(model, model.new_cache(1, 64, static=True)))["freezing"]
+    assert fast.has_weights_to_pack(quant.quantized_copy(model, 4, None, dtype=torch.float32))  # float head
+    assert fast.has_weights_to_pack(quant.quantized_copy(model, 8, 8, dtype=torch.float32, kernel="aten"))
