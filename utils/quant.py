@@ -319,6 +319,7 @@ class Int8Linear(nn.Module):
             self.in_features, dtype, q.device)
         self.use_kernel, self.kernel_note = _decide_kernel(use_kernel, agrees, "Int8Linear", self.kernel)
         self.kernel_note += fell_back if self.use_kernel else ""
+        self.kernel = self.kernel if self.use_kernel else "aten"  # the reference path calls neither (as Int4Linear)
         self.register_buffer("q", q_kernel if self.use_kernel else q)
         self.padding = _padding_note(q.shape, self.q.shape)
 
