@@ -282,3 +282,59 @@ def test_a_step_on_the_workbooks_kernels_compiles_without_freezing(model):
     assert fast.inductor_settings(fast.DecodeStep(model, model.new_cache(1, 64, static=True)))["freezing"]
     assert fast.has_weights_to_pack(quant.quantized_copy(model, 4, None, dtype=torch.float32))  # float head
     assert fast.has_weights_to_pack(quant.quantized_copy(model, 8, 8, dtype=torch.float32, kernel="aten"))
+
+
+def test_group_size_divides_the_layers():
+    assert [fast.group_size(n, 5) for n in (30, 32, 28, 22, 7, 1)] == [5, 4, 4, 2, 1, 1]
+    assert fast.group_size(30, 3) == 3 and fast.group_size(30) == fast.group_size(30, fast.LAYER_GROUP)
+
+
+def test_a_step_is_compiled_by_layer_groups_only_where_nothing_is_pre_packed(model, monkeypatch):
+    own = quant.quantized_copy(model, 4, 8, dtype=torch.float32)
+    if not fast.has_weights_to_pack(own):  # the workbook's kernels are built here
+        assert fast.compiles_by_layer(own) and fast.layers_alike(own)
+        monkeypatch.setenv("WORKBOOK_LAYERED_STEP", "0")
+        assert not fast.compiles_by_layer(own)
+    assert not fast.compiles_by_layer(model)  # float weights: the whole step, pre-packed
+    mixed = quant.quantized_copy(model, 4, 8, dtype=torch.float32)
+    mixed.layers[1].mlp.down_proj.kernel = "aten"  # one block unlike the others
+    assert not fast.layers_alike(mixed) and not fast.compiles_by_layer(mixed)
+
+
+@pytest.mark.skipif(not quant.kernel_here(torch.device("cpu")) == "workbook", reason="the workbook's kernels are not built")
+def test_layer_groups_make_the_eager_tokens_and_bind_each_models_own_weights(model, tmp_path, monkeypatch):
+    """A layered step (one group of blocks compiled, called per group with that group's weights and cache) makes
+    its own eager loop's tokens; a second model of the same shapes loads the same packages and makes ITS tokens
+    (the packages hold no weights); the profile sees its kernels."""
+    monkeypatch.setenv("WORKBOOK_STEP_CACHE", str(tmp_path))
+    monkeypatch.setattr(fast, "LAYER_GROUP", 1)  # the tiny model's 2 blocks: two groups through one package
+    own = quant.quantized_copy(model, 4, 8, dtype=torch.float32)
+    decoder = fast.FastDecoder.build(own, 64, compiled=True)
+    assert isinstance(decoder.step, fast.LayeredStep) and len(decoder.step.groups) == 2
+    assert torch.equal(decoder.generate(IDS, 16), engine.generate(own, IDS, 16))
+    assert torch.equal(decoder.generate(IDS.flip(1), 16), engine.generate(own, IDS.flip(1), 16))
+    assert decoder.step.source == "built" and len(list(tmp_path.glob("part-*.pt2"))) == 2  # a group and the head
+    with torch.no_grad():
+        other_hf = tiny_hf()
+        for p in other_hf.parameters():
+            p.mul_(1.5)
+    other = quant.quantized_copy(Llama.from_hf(other_hf), 4, 8, dtype=torch.float32)
+    again = fast.FastDecoder.build(other, 64, compiled=True)
+    want = engine.generate(other, IDS, 16)
+    assert not torch.equal(want, engine.generate(own, IDS, 16))  # the two models do differ
+    assert torch.equal(again.generate(IDS, 16), want) and again.step.source == "loaded"
+    per_kind = fast.profile_step(again, IDS)
+    assert per_kind.get("matmul", 0) > 0 and per_kind.get("attention", 0) > 0, per_kind
+
+
+def test_a_layer_groups_package_is_keyed_by_shapes_not_weights(model):
+    own = quant.quantized_copy(model, 4, 8, dtype=torch.float32)
+    cache = own.new_cache(1, 64, static=True)
+    settings = fast.inductor_settings(fast.DecodeStep(own, cache))
+    x, slot = torch.zeros(1, 1, own.args.hidden_size), torch.tensor([3])
+    key = fast.part_key(fast.LayerGroup(own, cache, 0, 1), (x, slot), settings)
+    assert fast.part_key(fast.LayerGroup(own, cache, 1, 1), (x, slot), settings) == key  # the other block
+    longer = own.new_cache(1, 128, static=True)
+    assert fast.part_key(fast.LayerGroup(own, longer, 0, 1), (x, slot), settings) != key
+    assert fast.part_key(fast.LayerGroup(own, cache, 0, 2), (x, slot), settings) != key
+    assert fast.part_key(fast.LayerGroup(own, cache, 0, 1), (x, slot), {**settings, "freezing": True}) != key

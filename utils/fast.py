@@ -18,7 +18,10 @@ to do less per step, in this order (each is a row of the roofline lab's table):
    once; not for a model whose projections all call the workbook's own kernels) and the step is compiled ahead of time into a package (:class:`PackagedStep`,
    AOTInductor): built once per machine, model and cache shape, kept on disk and loaded in
    about a second by every later process; its C++ wrapper calls the kernels without Python
-   in between. On a GPU, ``torch.compile`` with CUDA graphs replays the whole step with one
+   in between. Where every projection calls the workbook's own kernels (nothing to pre-pack), one group
+   of a few blocks is compiled instead of the whole step and called once per group, bound to that group's
+   weights and cache (:class:`LayeredStep`): seconds to build instead of half a minute.
+   On a GPU, ``torch.compile`` with CUDA graphs replays the whole step with one
    launch. Either way it compiles **once per cache shape**: everything the step reads is a
    tensor or a constant of that shape (:class:`DecodeStep`), so nothing in it changes from
    step to step and nothing recompiles (:func:`compile_count` counts, :func:`explain_recompiles`
@@ -156,6 +159,14 @@ def has_weights_to_pack(model: Llama) -> bool:
                    for _, m in iter_linears(model))
 
 
+def compiles_by_layer(model: Llama) -> bool:
+    """Whether a CPU step of ``model`` is a :class:`LayeredStep` (one block compiled, called per layer): where
+    nothing has to be pre-packed (:func:`has_weights_to_pack`) and every block has the same shapes.
+    ``$WORKBOOK_LAYERED_STEP=0`` compiles the whole step instead (:class:`PackagedStep`), e.g. to compare."""
+    return (os.environ.get("WORKBOOK_LAYERED_STEP") != "0" and not has_weights_to_pack(model)
+            and layers_alike(model))
+
+
 def inductor_settings(step: DecodeStep, mode: str | None = None) -> dict[str, Any]:
     """The inductor settings a decode step compiles under on its device (see :func:`compile_step`)."""
     cpu = step.cache.device.type == "cpu"
@@ -185,7 +196,7 @@ def compile_step(step: DecodeStep, mode: str | None = None, backend: str = "indu
     """
     settings = inductor_settings(step, mode) if backend == "inductor" else {}
     if backend == "inductor" and step.cache.device.type == "cpu" and os.environ.get("WORKBOOK_STEP_PACKAGES") != "0":
-        return PackagedStep(step, settings)
+        return (LayeredStep if compiles_by_layer(step.model) else PackagedStep)(step, settings)
     # Every decoder is its own graph of the same code (DecodeStep.forward): a lab or benchmark that
     # builds one per model, dtype and context must not run into dynamo's limit of 8 per code.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DECODERS_PER_PROCESS)
@@ -216,6 +227,13 @@ kernel calls) compiles at -O0 instead of -O1: 3.4 s instead of 6.1 s on a 2-core
 (bf16 110 against 111 tok/s, int4 211 against 212; the kernels themselves keep -O3)."""
 
 
+PART_SETTINGS: dict[str, Any] = {"aot_inductor.compile_wrapper_opt_level": "O1", "aot_inductor.package_constants_in_so": False}
+"""Inductor settings the layer groups of a :class:`LayeredStep` add: a group is called several times per step,
+and its wrapper compiled at -O0 spent most of a call in unoptimized C++ helpers (2-core AVX-512 EPYC, int4 at
+128 tokens, groups of 5: 138 tok/s at -O0 against 150 at -O1 and 152 for the whole step). A group's wrapper is
+small: -O1 costs about half a second more to build. Its head keeps :data:`PACKAGE_SETTINGS`."""
+
+
 def step_cache_dir() -> Path:
     """Where packaged steps are kept: ``$WORKBOOK_STEP_CACHE``, else ``~/.cache/prefill-decode-workbook/steps``."""
     chosen = os.environ.get("WORKBOOK_STEP_CACHE")
@@ -231,18 +249,24 @@ def _this_cpu() -> str:
             f"{torch.get_num_threads()} {flags}")
 
 
-def step_key(step: DecodeStep, settings: dict[str, Any]) -> str:
-    """What a packaged step depends on: torch, this CPU, the code of the model, the settings (with inductor's own
-    ``TORCHINDUCTOR_*`` variables, e.g. the GEMM backends a user picked), the cache's shapes and every weight's
-    bytes (the package holds the weights, pre-packed), and which kernels it calls (the workbook's CPU kernels,
-    named by their sources, or PyTorch's). Not the cache's contents."""
+def _code_key(module: nn.Module, settings: dict[str, Any]) -> "hashlib._Hash":
+    """A hash of what any package depends on besides its tensors: torch, this CPU, the code of the model and of
+    ``module``'s class, the settings (with inductor's own ``TORCHINDUCTOR_*`` variables, e.g. the GEMM backends a
+    user picked) and which kernels it calls (the workbook's CPU kernels, named by their sources, or PyTorch's)."""
     h = hashlib.blake2b(digest_size=16)
     inductor_env = sorted((k, v) for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_"))
     kernel = (f"{cpu_extension.library_path().name} attention={cpu_attention.available()} quant={cpu_quant.available()}"
               if cpu_extension.load() else "pytorch kernels")
     for part in (torch.__version__, _this_cpu(), kernel, inspect.getsource(llama), inspect.getsource(quant),
-                 inspect.getsource(DecodeStep), repr(sorted(settings.items())), repr(inductor_env)):
+                 inspect.getsource(type(module)), repr(sorted(settings.items())), repr(inductor_env)):
         h.update(part.encode())
+    return h
+
+
+def step_key(step: DecodeStep, settings: dict[str, Any]) -> str:
+    """What a packaged step depends on (:func:`_code_key`), the cache's shapes and every weight's bytes (the
+    package holds the weights, pre-packed). Not the cache's contents."""
+    h = _code_key(step, settings)
     for name, t in [*step.named_parameters(), *step.named_buffers()]:
         h.update(f"{name} {tuple(t.shape)} {t.dtype}".encode())
         if not name.startswith("cache."):
@@ -250,8 +274,9 @@ def step_key(step: DecodeStep, settings: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def package_step(step: DecodeStep, example: tuple[Tensor, Tensor], settings: dict[str, Any], path: Path) -> None:
-    """Export ``step`` and compile it ahead of time (AOTInductor) into the package ``path``."""
+def package_step(step: nn.Module, example: tuple[Tensor, ...], settings: dict[str, Any], path: Path) -> None:
+    """Export ``step`` (a :class:`DecodeStep` or a part of a :class:`LayeredStep`) and compile it ahead of time (AOTInductor)
+    into the package ``path``."""
     partial = path.parent / "building" / f"{path.stem}.{os.getpid()}.pt2"
     partial.parent.mkdir(parents=True, exist_ok=True)
     with torch.inference_mode(False), torch.no_grad(), templates_parsed_once():
@@ -331,6 +356,171 @@ class PackagedStep:
         self.runner.load_constants({n: own[n] for n in self.runner.get_constant_fqns() if n in own},
                                    check_full_update=False, user_managed=True)
         _STEPS_PACKAGED += 1
+
+
+# ----------------------------------------------------------------------------- layered steps (CPU, own kernels)
+
+
+class LayerCache(nn.Module):
+    """Layers ``first .. first + n - 1`` of a static cache as a cache of their own (the same memory, with the
+    cache's ``valid`` and ``n_pad``), indexed from 0: what a :class:`LayerGroup` hands its blocks. Writes, reads,
+    masks and positions as :class:`KVCache` does."""
+
+    update, mask, positions = KVCache.update, KVCache.mask, KVCache.positions
+
+    def __init__(self, cache: KVCache, first: int, n: int) -> None:
+        super().__init__()
+        for i in range(n):
+            k, v = cache.layer(first + i)
+            self.register_buffer(f"k_{i}", k, persistent=False)
+            self.register_buffer(f"v_{i}", v, persistent=False)
+        self.register_buffer("valid", cache.valid, persistent=False)
+        self.register_buffer("n_pad", cache.n_pad, persistent=False)
+        self.kv_len = cache.max_len
+
+    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        return getattr(self, f"k_{i}"), getattr(self, f"v_{i}")
+
+
+class LayerGroup(nn.Module):
+    """Blocks ``first .. first + n - 1`` of a decode step and their cache: ``forward(x [B, 1, dim], slot [1]) -> x``.
+
+    Each group works out RoPE's cos and sin and the mask from the slot itself, as :meth:`Llama.forward` does
+    once per step: a few hundred numbers, cheaper to recompute inside compiled code than to pass in.
+    """
+
+    def __init__(self, model: Llama, cache: KVCache, first: int, n: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(model.layers[first:first + n])
+        self.cache, self.rope = LayerCache(cache, first, n), model.rope
+        self.window = model.layers[first].attn.window
+
+    def forward(self, x: Tensor, slot: Tensor) -> Tensor:
+        rope = self.rope(self.cache.positions(slot), x.dtype)  # cos, sin: [B, 1, head_dim]
+        mask = self.cache.mask(slot, self.cache.kv_len, self.window)  # [B, 1, 1, kv_len]
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, mask, self.cache, i, slot)
+        return x
+
+
+class HeadCall(nn.Module):
+    """The end of a decode step: final norm, LM head and greedy pick, ``forward(x [B, 1, dim]) -> token [B]``."""
+
+    def __init__(self, model: Llama) -> None:
+        super().__init__()
+        self.norm, self.lm_head = model.norm, model.lm_head
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lm_head(self.norm(x))[:, -1].argmax(dim=-1)
+
+
+def block_signature(module: nn.Module) -> str:
+    """Everything about ``module`` that its compiled copy bakes in: each tensor's name, shape, stride and dtype,
+    and each submodule's plain settings (norm eps, head counts, attention window, kernel, group size). Equal for
+    two modules: one compiled copy serves both, each with its own tensors."""
+    tensors = [(n, tuple(t.shape), t.stride(), t.dtype)
+               for n, t in [*module.named_parameters(), *module.named_buffers()]]
+    plain = [(n, sorted((k, v) for k, v in vars(m).items()
+                        if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None)))))
+             for n, m in module.named_modules()]
+    return repr((tensors, plain))
+
+
+LAYER_GROUP = 5
+"""Blocks one compiled group of a :class:`LayeredStep` holds (or the largest divisor of the layer count below it).
+Measured on a 2-core AVX-512 EPYC, int4 g32 + int8 head at 128 tokens, 15 alternating runs of 64 tokens against the
+whole step: groups of 5 decoded at 162.6 tok/s against 162.3 (groups of 3: 157.8), building in 11.6 s (plus 6.1 s
+for the head) against 34 s for the whole step."""
+
+
+def group_size(n_layers: int, most: int | None = None) -> int:
+    """The largest divisor of ``n_layers`` that is at most ``most`` (default :data:`LAYER_GROUP`): groups of
+    equal size share one package."""
+    return max(g for g in range(1, (most or LAYER_GROUP) + 1) if n_layers % g == 0)
+
+
+def layers_alike(model: Llama) -> bool:
+    """True when every block of ``model`` has the same :func:`block_signature` (one compiled group serves all)."""
+    return len({block_signature(b) for b in model.layers}) == 1
+
+
+class LayeredStep:
+    """A decode step compiled ahead of time (AOTInductor) as two small packages: a group of
+    :func:`group_size` blocks (:class:`LayerGroup`), loaded once per group of the model with that group's
+    weights and cache bound to it as constants, and the head (:class:`HeadCall`). Only the embedding runs
+    eagerly, before them.
+
+    Why: a whole 30-layer step takes 31-56 s to build on 2 cores (tracing and code generation grow with the
+    graph); a group of five blocks ~12 s and the head ~6 s, most of both the C++ compile of a package's
+    wrapper. What it costs: one call into a package per group (see :data:`LAYER_GROUP` for the speed
+    measured against the whole step). It serves only where the weights have nothing to pre-pack (every
+    projection calls the workbook's kernels, :func:`has_weights_to_pack`): inductor's pre-packed GEMMs are
+    made from the weights' values at compile time, so float projections keep :class:`PackagedStep`. The
+    packages hold no weights (each group binds its own, as :class:`PackagedStep` binds the cache) and are
+    keyed by shapes (:func:`part_key`): models of the same shapes share them. Same interface as
+    :class:`PackagedStep`.
+    """
+
+    def __init__(self, step: DecodeStep, settings: dict[str, Any], group: int | None = None) -> None:
+        self.step, self.settings = step, {**settings, **PART_SETTINGS}
+        model, cache = step.model, step.cache
+        n = model.args.n_layers
+        size = group or group_size(n)
+        self.groups = [LayerGroup(model, cache, first, size) for first in range(0, n, size)]
+        self.head = HeadCall(model)
+        self.runs: list[Callable[[list[Tensor]], list[Tensor]]] = []
+        self.run_head: Callable[[list[Tensor]], list[Tensor]] | None = None
+        self.source = ""
+
+    def __call__(self, token: Tensor, slot: Tensor) -> Tensor:
+        if self.run_head is None:
+            self.load(token, slot)
+        x = self.step.model.embed(token)  # [B, 1, dim]
+        for run in self.runs:
+            x = run([x, slot])[0]
+        return self.run_head([x])[0]  # [B]
+
+    def load(self, token: Tensor, slot: Tensor) -> None:
+        global _STEPS_PACKAGED
+        with torch.inference_mode(False), torch.no_grad():  # normal tensors: what export traces
+            x, slot = self.step.model.embed(token.clone()), slot.clone()
+        built, paths = False, []
+        head_settings = {**self.settings, **PACKAGE_SETTINGS}  # called once per step: its wrapper's speed matters less
+        for part, example, settings in ((self.groups[0], (x, slot), self.settings), (self.head, (x,), head_settings)):
+            path = step_cache_dir() / f"part-{part_key(part, example, settings)}.pt2"
+            if not path.exists():
+                package_step(part, example, settings, path)
+                built = True
+            path.touch()  # recently used
+            paths.append(path)
+        self.runs = [bound_package(paths[0], group) for group in self.groups]
+        self.run_head = bound_package(paths[1], self.head)
+        self.source = "built" if built else "loaded"
+        _STEPS_PACKAGED += 1
+
+
+def bound_package(path: Path, module: nn.Module) -> Callable[[list[Tensor]], list[Tensor]]:
+    """The package at ``path`` loaded with ``module``'s own tensors as its constants (not copied: the package
+    reads and writes them in place); returns its list-in, list-out call."""
+    runner = torch._inductor.aoti_load_package(str(path))
+    own = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
+    names = runner.get_constant_fqns()
+    if missing := [n for n in names if n not in own]:
+        raise WorkbookError(f"the package {path.name} expects tensors this model does not have: {missing[:3]}")
+    runner.load_constants({n: own[n] for n in names}, check_full_update=True, user_managed=True)
+    return runner.loader.boxed_run
+
+
+def part_key(part: nn.Module, example: tuple[Tensor, ...], settings: dict[str, Any]) -> str:
+    """What the package of a part of a :class:`LayeredStep` depends on (:func:`_code_key`), its
+    :func:`block_signature` and its inputs' shapes, strides and dtypes. Not the weights' values: each group binds
+    its own."""
+    h = _code_key(part, settings)
+    for piece in (block_signature(part), inspect.getsource(LayerCache), inspect.getsource(LayerGroup)):
+        h.update(piece.encode())
+    for t in example:
+        h.update(f"{tuple(t.shape)} {tuple(t.stride())} {t.dtype}".encode())
+    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -527,9 +717,9 @@ def profile_step(decoder: FastDecoder, ids: Tensor, n_tokens: int = 8, step_s: f
     and its split is scaled to ``decoder``'s own time per step, so that the kinds add up to it: ``step_s`` when
     the caller measured it (a table's row), else timed here over ``n_tokens`` steps.
     """
-    if isinstance(decoder.step, PackagedStep):
+    if isinstance(decoder.step, (PackagedStep, LayeredStep)):
         own_s = step_s or fast_decode_speed(decoder, ids, n_tokens).timing.median / n_tokens
-        twin = PackagedStep(decoder.step.step, {**decoder.step.settings, "cpp.enable_kernel_profile": True})
+        twin = type(decoder.step)(decoder.step.step, {**decoder.step.settings, "cpp.enable_kernel_profile": True})
         twin_decoder = replace(decoder, step=twin, compile_s=0.0)
         twin_decoder.warm_up(ids)
         split = _profile_kinds(twin_decoder, ids, n_tokens)
