@@ -134,6 +134,30 @@ def kernel_comparison(lm: LoadedModel, forms: dict[str, Llama], new_tokens: int)
     return out
 
 
+def layered_comparison(lm: LoadedModel, forms: dict[str, Llama], context: int, new_tokens: int) -> dict[str, Any]:
+    """:data:`QUICK_COMPILED`'s step built by layer groups (:class:`utils.fast.LayeredStep`, what its row uses)
+    against the same model's whole step (:class:`utils.fast.PackagedStep`) at ``context``: each one's first call
+    (built here or loaded), their decode speed timed in turns, their greedy tokens compared. Empty where the step
+    is not built by layer groups (a GPU, PyTorch's kernels)."""
+    model = forms.get(QUICK_COMPILED)
+    if model is None or lm.device.type != "cpu" or not fast.compiles_by_layer(model):
+        return {}
+    ids, length = filler_ids(lm.tokenizer, context, lm.device), fast.static_length(context, new_tokens)
+    decoders = {how: fast.FastDecoder.build(model, length, compiled=True, label=how, by_layer=by_layer)
+                for how, by_layer in (("layer groups", True), ("whole step", False))}
+    first = {how: (d.warm_up(ids), d.step.source)[::-1] for how, d in decoders.items()}
+    tokens = {how: d.generate(ids, new_tokens)[0].tolist() for how, d in decoders.items()}
+    times = interleaved({how: (lambda start, d=d: d.decode(start, new_tokens)) for how, d in decoders.items()},
+                        setup={how: (lambda d=d: d.prefill(ids)) for how, d in decoders.items()}, repeats=7, progress=False)
+    speed = {how: new_tokens / t.median for how, t in times.items()}
+    a, b = tokens["layer groups"], tokens["whole step"]
+    return {"weights": QUICK_COMPILED, "context": context,
+            **{f"{how} first call": f"{src} in {s:.1f} s" for how, (src, s) in first.items()},
+            **{f"{how} tok/s": round(v, 1) for how, v in speed.items()},
+            "speed ratio": round(speed["layer groups"] / speed["whole step"], 3),
+            "tokens": f"{decode_table.tokens_agreed(a, b)}/{len(a)} greedy tokens equal"}
+
+
 def fast_rows_at(lm: LoadedModel, forms: dict[str, Llama], context: int, new_tokens: int,
                  repeats: int, compiled: list[str] | None = None) -> list[decode_table.Row]:
     """Every row of the table at one context length (see the module docstring); a compiled row
@@ -217,6 +241,8 @@ def run_fast_path(lm: LoadedModel, contexts: list[int], new_tokens: int, repeats
     kernels = {w: round(bytes_read_per_token(m) / fast.projections_seconds(m) / 1e9, 2) for w, m in forms.items()}
     out: dict[str, Any] = {"rows": [], "kernel_GBps": kernels, "targets": {}, "llama_cpp": "not asked for",
                            "own_kernels": kernel_comparison(lm, forms, new_tokens)}
+    if not quick:  # the whole step builds in half a minute, once per machine: not in CI's quick run
+        out["layer_groups"] = layered_comparison(lm, forms, contexts[0], new_tokens)
     for context in contexts:
         rows = fast_rows_at(lm, forms, context, new_tokens, repeats, compiled)
         if with_llama_cpp:
@@ -299,6 +325,10 @@ def print_targets(fp: dict[str, Any]) -> None:
     for weights, c in fp.get("own_kernels", {}).items():
         print(f"kernels      {weights}: the workbook's kernels {c['workbook_GBps']} GB/s, the same weights on aten's "
               f"{c['aten_GBps']} GB/s ({c['speedup']:.2f}x); eager, {c['tokens']}")
+    if c := fp.get("layer_groups"):
+        print(f"compile      {c['weights']} @{c['context']}: by layer groups, first call {c['layer groups first call']}, "
+              f"{c['layer groups tok/s']} tok/s; the whole step, first call {c['whole step first call']}, "
+              f"{c['whole step tok/s']} tok/s (timed in turns: {c['speed ratio']:.3f}x); {c['tokens']}")
     for context, got in fp["targets"].items():
         parts = []
         for name, floor in TARGETS.items():

@@ -182,7 +182,8 @@ def inductor_settings(step: DecodeStep, mode: str | None = None) -> dict[str, An
     return settings
 
 
-def compile_step(step: DecodeStep, mode: str | None = None, backend: str = "inductor") -> Callable[..., Tensor]:
+def compile_step(step: DecodeStep, mode: str | None = None, backend: str = "inductor",
+                 by_layer: bool | None = None) -> Callable[..., Tensor]:
     """The compiled :class:`DecodeStep` (whole graph, static shapes): a :class:`PackagedStep` on a CPU, else
     ``torch.compile``.
 
@@ -192,11 +193,13 @@ def compile_step(step: DecodeStep, mode: str | None = None, backend: str = "indu
     that kept float32 in between would change greedy tokens after a few dozen, and the fast path must make
     the eager loop's tokens. ``backend="eager"`` traces with dynamo without generating code: what a unit
     test of the compile count needs, in a second instead of a minute. ``$WORKBOOK_STEP_PACKAGES=0`` makes a
-    CPU use ``torch.compile`` too.
+    CPU use ``torch.compile`` too. On a CPU the step is built by layer groups (:class:`LayeredStep`) where
+    :func:`compiles_by_layer` says so; ``by_layer=False`` builds the whole step instead (to compare).
     """
     settings = inductor_settings(step, mode) if backend == "inductor" else {}
     if backend == "inductor" and step.cache.device.type == "cpu" and os.environ.get("WORKBOOK_STEP_PACKAGES") != "0":
-        return (LayeredStep if compiles_by_layer(step.model) else PackagedStep)(step, settings)
+        layered = compiles_by_layer(step.model) and by_layer is not False
+        return (LayeredStep if layered else PackagedStep)(step, settings)
     # Every decoder is its own graph of the same code (DecodeStep.forward): a lab or benchmark that
     # builds one per model, dtype and context must not run into dynamo's limit of 8 per code.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DECODERS_PER_PROCESS)
@@ -546,10 +549,11 @@ class FastDecoder:
 
     @classmethod
     def build(cls, model: Llama, max_len: int, batch: int = 1, compiled: bool = True,
-              mode: str | None = None, backend: str = "inductor", label: str = "") -> "FastDecoder":
+              mode: str | None = None, backend: str = "inductor", label: str = "",
+              by_layer: bool | None = None) -> "FastDecoder":
         cache = llama_phases.new_cache(model, batch, max_len, static=True)
         step = DecodeStep(model, cache)
-        fn = compile_step(step, mode, backend) if compiled else step
+        fn = compile_step(step, mode, backend, by_layer) if compiled else step
         return cls(model, cache, fn, compiled, label=label, mode=mode)
 
     @torch.inference_mode()
