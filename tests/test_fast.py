@@ -305,7 +305,7 @@ def test_a_step_is_compiled_by_layer_groups_only_where_nothing_is_pre_packed(mod
 def test_layer_groups_make_the_eager_tokens_and_bind_each_models_own_weights(model, tmp_path, monkeypatch):
     """A layered step (one group of blocks compiled, called per group with that group's weights and cache) makes
     its own eager loop's tokens; a second model of the same shapes loads the same packages and makes ITS tokens
-    (the packages hold no weights); the profile sees its kernels."""
+    (the packages hold no weights). (The roofline lab profiles one: its fastest row.)"""
     monkeypatch.setenv("WORKBOOK_STEP_CACHE", str(tmp_path))
     monkeypatch.setattr(fast, "LAYER_GROUP", 1)  # the tiny model's 2 blocks: two groups through one package
     own = quant.quantized_copy(model, 4, 8, dtype=torch.float32)
@@ -323,8 +323,6 @@ def test_layer_groups_make_the_eager_tokens_and_bind_each_models_own_weights(mod
     want = engine.generate(other, IDS, 16)
     assert not torch.equal(want, engine.generate(own, IDS, 16))  # the two models do differ
     assert torch.equal(again.generate(IDS, 16), want) and again.step.source == "loaded"
-    per_kind = fast.profile_step(again, IDS)
-    assert per_kind.get("matmul", 0) > 0 and per_kind.get("attention", 0) > 0, per_kind
 
 
 def test_a_layer_groups_package_is_keyed_by_shapes_not_weights(model):
