@@ -160,7 +160,7 @@ def has_weights_to_pack(model: Llama) -> bool:
 
 
 def compiles_by_layer(model: Llama) -> bool:
-    """Whether a CPU step of ``model`` is a :class:`LayeredStep` (one block compiled, called per layer): where
+    """Whether a CPU step of ``model`` is a :class:`LayeredStep` (one group of blocks compiled, called per group): where
     nothing has to be pre-packed (:func:`has_weights_to_pack`) and every block has the same shapes.
     ``$WORKBOOK_LAYERED_STEP=0`` compiles the whole step instead (:class:`PackagedStep`), e.g. to compare."""
     return (os.environ.get("WORKBOOK_LAYERED_STEP") != "0" and not has_weights_to_pack(model)
@@ -232,9 +232,10 @@ kernel calls) compiles at -O0 instead of -O1: 3.4 s instead of 6.1 s on a 2-core
 
 PART_SETTINGS: dict[str, Any] = {"aot_inductor.compile_wrapper_opt_level": "O1", "aot_inductor.package_constants_in_so": False}
 """Inductor settings the layer groups of a :class:`LayeredStep` add: a group is called several times per step,
-and its wrapper compiled at -O0 spent most of a call in unoptimized C++ helpers (2-core AVX-512 EPYC, int4 at
-128 tokens, groups of 5: 138 tok/s at -O0 against 150 at -O1 and 152 for the whole step). A group's wrapper is
-small: -O1 costs about half a second more to build. Its head keeps :data:`PACKAGE_SETTINGS`."""
+and its wrapper compiled at -O0 spent much of a call in unoptimized C++ helpers (2-core AVX-512 EPYC, int4 at
+128 tokens, groups of 5, alternating runs: 138 tok/s at -O0 against 146 for the whole step; in a later run
+149.5 at -O1 against 152.4). A small wrapper compiles in 4.6-5.1 s at either level (headers dominate). Its head
+keeps :data:`PACKAGE_SETTINGS`."""
 
 
 def step_cache_dir() -> Path:
