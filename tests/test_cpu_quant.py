@@ -1,4 +1,4 @@
-"""The workbook's CPU int8/int4 decode kernels (utils/cpu_quant.py, utils/csrc/quant_linear.cpp) and the layers
+"""The workbook's CPU int8/int4 decode kernels (utils/cpu_quant.py, utils/csrc/decode_linear.cpp) and the layers
 and quantized models that call them (utils/quant.py)."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_batching import tiny_hf
 
-from utils import cpu_attention, decode_table, engine, fast, quant
+from utils import cpu_attention, cpu_linear, decode_table, engine, fast, quant
 from utils.llama_phases import forward_no_cache
 from utils.errors import WorkbookError
 from utils.llama import Llama
@@ -323,6 +323,21 @@ def test_layer_groups_make_the_eager_tokens_and_bind_each_models_own_weights(mod
     want = engine.generate(other, IDS, 16)
     assert not torch.equal(want, engine.generate(own, IDS, 16))  # the two models do differ
     assert torch.equal(again.generate(IDS, 16), want) and again.step.source == "loaded"
+
+
+@pytest.mark.skipif(not quant.kernel_here(torch.device("cpu")) == "workbook", reason="the workbook's kernels are not built")
+def test_a_bf16_step_on_the_workbook_kernels_is_built_by_layer_groups_and_makes_its_eager_tokens(model, tmp_path,
+                                                                                                 monkeypatch):
+    """Float projections on the workbook's kernel (utils.cpu_linear: AMX tiles where the CPU has them, else rows)
+    leave nothing to pre-pack: the step is a LayeredStep, and requests of two lengths make its eager loop's tokens
+    without a second build."""
+    monkeypatch.setenv("WORKBOOK_STEP_CACHE", str(tmp_path))
+    own = cpu_linear.on_workbook_kernels(Llama.from_hf(tiny_hf()).to(torch.bfloat16))
+    decoder, eager = fast.FastDecoder.build(own, 64, compiled=True), fast.FastDecoder.build(own, 64, compiled=False)
+    assert isinstance(decoder.step, fast.LayeredStep)
+    for ids in (IDS, IDS[:, :7]):
+        assert torch.equal(decoder.generate(ids, 16), eager.generate(ids, 16))
+    assert decoder.step.source == "built" and len(list(tmp_path.glob("part-*.pt2"))) == 2  # one group, one head
 
 
 def test_a_layer_groups_package_is_keyed_by_shapes_not_weights(model):

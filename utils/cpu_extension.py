@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "quant_linear.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "decode_linear.cpp"))
 
 
 def extension_dir() -> Path:
@@ -84,8 +84,13 @@ def build(path: Path) -> bool:
 
 
 def _like_x_rows(x: Tensor, weight: Tensor, *_: object) -> Tensor:
-    """The shape of ``x [M, K] @ W.T`` for a weight of ``N`` rows, in x's dtype (int8_linear's and int4_linear's)."""
+    """The shape of ``x [M, K] @ W.T`` for a weight of ``N`` rows, in x's dtype (the ``*_linear`` operators')."""
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _like_tiles_rows(x: Tensor, tiles: Tensor, n: int) -> Tensor:
+    """bf16_tiles_linear's output: ``[M, n]`` in x's dtype (its weight is in tiles, n output rows)."""
+    return x.new_empty(x.shape[0], n)
 
 
 def _like_q(q: Tensor, *_: object) -> Tensor:
@@ -94,7 +99,7 @@ def _like_q(q: Tensor, *_: object) -> Tensor:
 
 
 SHAPE_RULES = {"workbook::decode_attention": _like_q, "workbook::int8_linear": _like_x_rows,
-               "workbook::int4_linear": _like_x_rows}
+               "workbook::int4_linear": _like_x_rows, "workbook::float_linear": _like_x_rows, "workbook::bf16_tiles_linear": _like_tiles_rows}
 """Each operator's output for tracing (``torch.library.register_fake``): what a compiled step plans around."""
 
 

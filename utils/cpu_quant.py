@@ -1,4 +1,4 @@
-"""Weight-only int8 and int4 matrix products for decode on a CPU: the workbook's C++ kernels (``csrc/quant_linear.cpp``).
+"""Weight-only int8 and int4 matrix products for decode on a CPU: the workbook's C++ kernels (``csrc/decode_linear.cpp``).
 
 A decode step multiplies one row per sequence by every weight matrix, so its time is the weights' bytes over the
 memory bandwidth, if the kernel keeps up with the memory. PyTorch's weight-only CPU kernels

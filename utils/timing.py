@@ -168,7 +168,8 @@ def op_kind(name: str) -> str:
         return "attention"
     if (n in ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
             or "gemm" in n or "gemv" in n or "pack_mm" in n or "_linear_pointwise" in n
-            or n in ("workbook::int8_linear", "workbook::int4_linear")):
+            or n in ("workbook::int8_linear", "workbook::int4_linear", "workbook::float_linear",
+                      "workbook::bf16_tiles_linear")):
         return "matmul"
     return "everything else"
 

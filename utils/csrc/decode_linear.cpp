@@ -1,5 +1,6 @@
-// Weight-only int8 and int4 matrix products on a CPU, for decode's few rows: y = x W^T.
+// Matrix products for decode's few rows on a CPU, y = x W^T: float32 or bf16 weights, and weight-only int8 and int4.
 //
+// float_linear(x [M, K], w float32 or bf16 [N, K]) -> [M, N] in x's dtype.
 // int8_linear(x [M, K], q int8 [N, K], scale float32 [N]) -> [M, N] in x's dtype: W = q * scale (per row).
 // int4_linear(x [M, K], packed uint8 [N, K / 2], dm float16 [N, K / g, 2], g) -> [M, N] in x's dtype:
 //   W[n, k] = q * d + m, (d, m) = dm[n, k / g]; q in [0, 15]. Each block of 32 weights k0 .. k0 + 31 of a row is
@@ -9,17 +10,21 @@
 // FMA) and multiplied by x's float32 row, so the result differs from x @ W^T in float32 only by summation order.
 //
 // Why it exists: a decode step multiplies one row by every weight matrix, so its time is the weights' bytes over
-// the memory bandwidth, if the kernel keeps up with the memory. PyTorch's weight-only kernels on a 2-core AMD
-// EPYC (AVX2) read int8 at 8.5 GB/s and int4 at 6.8 GB/s against a probe's 20. Here each thread takes a range of
-// output rows and streams them once, for up to four rows of x at a time, with independent accumulators so that
-// no FMA waits on the previous one.
+// the memory bandwidth, if the kernel keeps up with the memory. For float weights PyTorch's own kernels keep up,
+// but a compiled step must then pre-pack them at compile time (half a minute per step); on these kernels a step
+// has nothing to pack and is built from small parts in seconds (utils/fast.py, LayeredStep). PyTorch's
+// weight-only kernels on a 2-core AMD EPYC (AVX2) read int8 at 8.5 GB/s and int4 at 6.8 GB/s against a probe's 20.
+// Here each thread takes a range of output rows and streams them once, for up to four rows of x at a time, with
+// independent accumulators so that no FMA waits on the previous one.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -275,6 +280,77 @@ void int4_row(const float* x, int64_t K, const uint8_t* w, const at::Half* dm, i
 }
 #endif
 
+// One float32 or bf16 weight row against MR rows of x: four accumulators per x row. A bf16 weight becomes a float32
+// one by a 16-bit shift (exact), so each product is exact and only the summation order differs from x @ W^T in
+// float32. W is uint16_t for bf16 (its bits), float for float32.
+#if defined(WORKBOOK_SIMD) && defined(__AVX512F__) && defined(__AVX512BW__)
+using Vec = __m512;
+constexpr int64_t kLanes = 16;
+inline Vec vec_zero() { return _mm512_setzero_ps(); }
+inline Vec vec_load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vec_load(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline Vec vec_fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vec_sum(Vec a, Vec b, Vec c, Vec d) {
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a, b), _mm512_add_ps(c, d)));
+}
+#elif defined(WORKBOOK_SIMD)
+using Vec = __m256;
+constexpr int64_t kLanes = 8;
+inline Vec vec_zero() { return _mm256_setzero_ps(); }
+inline Vec vec_load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vec_load(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline Vec vec_fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vec_sum(Vec a, Vec b, Vec c, Vec d) { return hsum(_mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(c, d))); }
+#endif
+
+// Asks for the cache line ``kPrefetchBytes`` + ``offset`` bytes past ``p`` to be brought into L2. A thread streams its
+// rows in order, so that line is one it reads soon (past the last row it is a harmless read). The hardware's own
+// prefetcher stops at each 4 KiB page and keeps fewer lines in flight: measured on a 2-core Xeon (AMX), SmolLM2's
+// bf16 projections alone read at 14.2-14.8 GB/s without it, 16.3-17.7 with it (2-16 KiB ahead alike).
+constexpr int64_t kPrefetchBytes = 8192;
+inline void prefetch_l2(const void* p, int64_t offset) {
+#ifdef WORKBOOK_SIMD
+  _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes + offset, _MM_HINT_T1);
+#endif
+}
+
+inline float scalar_weight(float w) { return w; }
+inline float scalar_weight(uint16_t w) {
+  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <int MR, typename W>
+void float_row(const float* x, int64_t K, const W* w, float* y, int64_t N) {
+  int64_t k = 0;
+  float sum[MR] = {};
+#ifdef WORKBOOK_SIMD
+  Vec acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = vec_zero();
+  for (; k + 4 * kLanes <= K; k += 4 * kLanes) {
+    for (int64_t b = 0; b < 4 * kLanes * static_cast<int64_t>(sizeof(W)); b += 64) prefetch_l2(w + k, b);
+    Vec f[4];
+    for (int j = 0; j < 4; ++j) f[j] = vec_load(w + k + kLanes * j);
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < 4; ++j) acc[m][j] = vec_fma(f[j], vec_load(x + m * K + k + kLanes * j), acc[m][j]);
+  }
+  for (int m = 0; m < MR; ++m) sum[m] = vec_sum(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
+#endif
+  for (int m = 0; m < MR; ++m) {
+    for (int64_t t = k; t < K; ++t) sum[m] += scalar_weight(w[t]) * x[m * K + t];
+    y[m * N] = sum[m];
+  }
+}
+
 // Calls row(n, rows of x from m0, MR) for every output row n and block of up to kMaxRows rows of x, output rows
 // split across threads.
 template <typename Row>
@@ -349,14 +425,120 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return finish(out);
 }
 
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "float_linear: w must be a contiguous float32 or bf16 [N, K]");
+  check_x(x, w.size(1), "float_linear");
+  const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
+  const Output out = new_output(x, N, y_buffer);
+  const float* xp = float_rows(x, x_buffer);
+  float* yp = out.values;
+  auto rows = [&](const auto* wp) {
+    for_each_row(M, N, [&](int64_t n, int64_t m0, int64_t mr) {
+      dispatch_rows(mr, [&](auto MR) { float_row<MR.value>(xp + m0 * K, K, wp + n * K, yp + m0 * N + n, N); });
+    });
+  };
+  if (w.scalar_type() == at::kFloat) rows(w.data_ptr<float>());
+  else rows(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()));
+  return finish(out);
+}
+
+// bf16_tiles_linear(x bf16 [M, K], tiles bf16 [N / 16, K / 2, 16, 2], N) -> [M, N] bf16, M <= 16, K a multiple of
+// 32: the same product on a CPU's AMX tile unit. ``tiles`` holds W in AMX's pair order, 16 output rows at a time:
+// for output rows n0 .. n0 + 15, the 16 pairs (W[n, k], W[n, k + 1]) of each k pair sit side by side, so one 1 KiB
+// tile holds 32 values of K for 16 output rows, and a block of 16 output rows is one contiguous stream. One tile
+// instruction multiplies x's M rows (32 values each) by such a tile, summing in float32. Each thread takes a range
+// of blocks, four at a time (four streams in flight). Why: on a 2-core Xeon with AMX, SmolLM2's bf16 projections
+// alone read 18.9 GB/s this way against 12.8-13.3 for float_linear's rows (two runs, in turns; two blocks at a
+// time: 17.6-17.7).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0: x (M rows of 32 bf16), 1-3: a block's weights (16 pairs of rows, 64 bytes each), 4-7: four blocks'
+// outputs (M rows of 16 float32). Loaded by every call on every thread, and released at its end: other code
+// (oneDNN, inductor's kernels) sets tiles up its own way in between.
+void configure_tiles(int64_t M) {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t : {0, 4, 5, 6, 7}) c.rows[t] = static_cast<uint8_t>(M), c.colsb[t] = 64;
+  for (int t : {1, 2, 3}) c.rows[t] = 16, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+
+at::Tensor bf16_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t N) {
+  static const bool ready = at::cpu::init_amx();
+  TORCH_CHECK(ready, "bf16_tiles_linear: this CPU or OS does not let the process use AMX tiles");
+  TORCH_CHECK(tiles.dim() == 4 && tiles.size(2) == 16 && tiles.size(3) == 2 && tiles.size(0) * 16 == N &&
+              tiles.scalar_type() == at::kBFloat16 && tiles.is_contiguous(),
+              "bf16_tiles_linear: tiles must be a contiguous bf16 [N / 16, K / 2, 16, 2]");
+  const int64_t K = 2 * tiles.size(1), M = x.size(0), blocks = N / 16;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16 && M >= 1 && M <= 16 && K % 32 == 0,
+              "bf16_tiles_linear: x must be bf16 [M <= 16, K], K a multiple of 32");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(tiles.data_ptr<at::BFloat16>());
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, (blocks + 3) / 4, 1, [&](int64_t first, int64_t last) {
+    configure_tiles(M);
+    alignas(64) float out[16][64];
+    for (int64_t b = 4 * first; b < std::min(4 * last, blocks); b += 4) {
+      const int64_t count = std::min<int64_t>(4, blocks - b);
+      const uint16_t* w = wp + b * 16 * K;  // block b + j starts at w + j * 16 * K
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+      for (int64_t k = 0; k < K; k += 32) {  // 32 values of K: 16 pairs, one tile per block
+        _tile_loadd(0, xp + k, 2 * K);
+        _tile_loadd(1, w + 16 * k, 64);
+        _tile_dpbf16ps(4, 0, 1);
+        if (count > 1) {
+          _tile_loadd(2, w + 16 * K + 16 * k, 64);
+          _tile_dpbf16ps(5, 0, 2);
+        }
+        if (count > 2) {
+          _tile_loadd(3, w + 32 * K + 16 * k, 64);
+          _tile_dpbf16ps(6, 0, 3);
+        }
+        if (count > 3) {
+          _tile_loadd(1, w + 48 * K + 16 * k, 64);
+          _tile_dpbf16ps(7, 0, 1);
+        }
+      }
+      _tile_stored(4, &out[0][0], 256);
+      _tile_stored(5, &out[0][16], 256);
+      _tile_stored(6, &out[0][32], 256);
+      _tile_stored(7, &out[0][48], 256);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t i = 0; i < 16 * count; ++i) yp[m * N + b * 16 + i] = static_cast<at::BFloat16>(out[m][i]);
+    }
+    _tile_release();
+  });
+  return y;
+}
+#else
+at::Tensor bf16_tiles_linear(const at::Tensor&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "bf16_tiles_linear: these kernels were built without AMX (not this CPU, or a plainer one imitated)");
+}
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(workbook, m) {
   m.def("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor dm, int group_size) -> Tensor");
+  m.def("float_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("bf16_tiles_linear(Tensor x, Tensor tiles, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(workbook, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
+  m.impl("float_linear", &float_linear);
+  m.impl("bf16_tiles_linear", &bf16_tiles_linear);
 }

@@ -1,0 +1,93 @@
+"""Float projections on the workbook's CPU kernel (utils/cpu_linear.py, utils/csrc/decode_linear.cpp): the product of
+nn.Linear up to summation order, on either path (rows, AMX tiles); a model on them shares its tensors and its bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_batching import tiny_hf
+from torch import nn
+
+from utils import cpu_linear, cpu_quant, engine, fast
+from utils.llama import Llama, iter_linears
+from utils.variants import bytes_read_per_token
+
+AMX = cpu_linear.tiles_here()
+
+
+@pytest.fixture(autouse=True)
+def kernels_built():
+    assert cpu_quant.available(), "this machine has a C++ compiler: the kernels must build"
+
+
+def relative_error(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    want = x.double() @ w.double().T
+    return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])  # bf16: its rounding
+@pytest.mark.parametrize("rows", [1, 3, 6])  # one row, a partial pass of 4, a full pass and a partial one
+@pytest.mark.parametrize("n, k", [(40, 576), (17, 100), (300, 1536)])  # K with a tail past the vector loop
+def test_the_rows_kernel_is_the_linear_product(dtype, tolerance, rows, n, k):
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(n, k, generator=g).to(dtype), torch.randn(rows, k, generator=g).to(dtype)
+    y = cpu_linear.float_linear(x, w)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    assert relative_error(y, x, w) < tolerance
+
+
+@pytest.mark.skipif(not AMX, reason="no AMX tile unit here")
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("n, k", [(16, 32), (80, 64), (960, 576), (576, 1536)])  # 1, 5 (4 + 1), 60, 36 blocks
+def test_the_tiles_kernel_is_the_linear_product_and_the_rows_kernels_up_to_rounding(rows, n, k):
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(rows, k, generator=g).bfloat16()
+    y = cpu_linear.bf16_tiles_linear(x, cpu_linear.bf16_tiles(w), n)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+    assert relative_error(y, x, w) < 8e-3
+    rows_kernel = cpu_linear.float_linear(x, w)  # both sum exact products in float32: rounding apart, equal
+    assert (y != rows_kernel).float().mean() < 0.01
+
+
+@pytest.mark.skipif(not AMX, reason="no AMX tile unit here")
+def test_the_tiles_kernel_refuses_what_it_cannot_read():
+    tiles = cpu_linear.bf16_tiles(torch.zeros(32, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="x must be bf16"):
+        torch.ops.workbook.bf16_tiles_linear(torch.zeros(1, 64), tiles, 32)
+    with pytest.raises(RuntimeError, match="tiles must be"):
+        torch.ops.workbook.bf16_tiles_linear(torch.zeros(1, 64, dtype=torch.bfloat16), tiles, 48)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_float_linear_module_is_nn_linear_for_decode_rows_and_prefill_rows(dtype):
+    linear = nn.Linear(64, 96, bias=True).to(dtype)
+    module = cpu_linear.FloatLinear(linear)
+    assert module.weight is linear.weight and module.bias is linear.bias  # not copied
+    assert module.path == ("tiles" if AMX and dtype == torch.bfloat16 else "rows")
+    for shape in [(1, 1, 64), (2, 1, 64), (1, 9, 64)]:  # decode rows (the kernel), a prefill's (PyTorch's GEMM)
+        x = torch.randn(*shape).to(dtype)
+        want = F.linear(x.float(), linear.weight.float(), linear.bias.float())
+        assert ((module(x).float() - want).abs().max() / want.abs().max()) < (1e-5 if dtype == torch.float32 else 8e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_model_on_the_kernels_shares_its_tensors_and_bytes_and_keeps_the_tokens(dtype):
+    model = Llama.from_hf(tiny_hf()).to(dtype)
+    model.lm_head.weight = model.embed.weight  # tied, as SmolLM2's
+    own = cpu_linear.on_workbook_kernels(model)
+    assert all(type(m) is cpu_linear.FloatLinear for _, m in iter_linears(own))
+    assert all(type(m) is nn.Linear for _, m in iter_linears(model))  # the original is untouched
+    assert own.lm_head.weight is own.embed.weight is model.embed.weight  # shared, still tied
+    assert bytes_read_per_token(own) == bytes_read_per_token(model)  # the tiles copy is not weight bytes
+    assert not fast.has_weights_to_pack(own) and fast.compiles_by_layer(own)
+    assert cpu_linear.on_workbook_kernels(own) is own  # nothing left to replace
+    ids = torch.randint(1, 96, (1, 12), generator=torch.Generator().manual_seed(5))
+    agreed = (engine.generate(own, ids, 12) == engine.generate(model, ids, 12)).long().cumprod(-1).sum()
+    assert agreed >= (12 if dtype == torch.float32 else 4)  # bf16: a near-tie may round the other way
+
+
+def test_no_float_module_where_the_kernels_are_off(monkeypatch):
+    model = Llama.from_hf(tiny_hf())
+    monkeypatch.setenv("WORKBOOK_CPU_QUANT", "0")
+    assert cpu_linear.on_workbook_kernels(model) is model

@@ -1,0 +1,110 @@
+"""Float32 and bf16 projections for decode on a CPU, on the workbook's own kernel (``csrc/decode_linear.cpp``).
+
+PyTorch's float matmuls read float weights near the memory's speed only pre-packed: a compiled step gets that by
+*freezing*, which packs every weight while the step is compiled, so the whole step must be compiled at once (half a
+minute to a minute per step on 2 cores, a package of the model's size). The workbook's kernel streams the weights
+as they are stored, each thread a range of output rows, for up to :data:`MAX_ROWS` rows of x at a time. A model
+whose projections all call it has nothing to pack, and its step is built by layer groups
+(:class:`utils.fast.LayeredStep`) in seconds. :func:`utils.fast.projections_seconds` times a model's projections
+either way on the machine at hand; ``make bench`` prints both.
+
+A bf16 weight becomes float32 by a shift (exact) and every product is summed in float32, so the result differs
+from ``x @ W.T`` in float32 only by summation order; in x's dtype it is rounded once, at the end. On a CPU with AMX
+(:func:`tiles_here`) a bf16 projection keeps a second copy of its weight in the tile unit's order
+(:func:`bf16_tiles`), made once when the module is built, and its bf16 rows go through the tile unit
+(:func:`bf16_tiles_linear`): products exact, summed in float32 by the tile unit.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import cpu_quant
+from .errors import WorkbookError
+from .llama import Llama, iter_linears, replace_linear
+
+MAX_ROWS = 4
+"""Rows of x (tokens times sequences) up to which a :class:`FloatLinear` calls the kernel: decode's. Beyond, a
+prefill's many rows go to PyTorch's GEMM, which is compute-bound there and far faster than re-reading the weights
+once per four rows."""
+
+
+def float_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``x @ weight.T`` for ``x [..., K]`` (float32, bf16 or fp16) and a contiguous float32 or bf16 ``weight [N, K]``;
+    ``[..., N]`` in x's dtype, summed in float32."""
+    y = torch.ops.workbook.float_linear(x.reshape(-1, x.shape[-1]), weight)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def tiles_here() -> bool:
+    """True where bf16 projections can use the AMX tile unit: the workbook's kernels run (:func:`utils.cpu_quant.available`),
+    the CPU has AMX and the OS lets this process use it, and no plainer CPU is imitated (``$ATEN_CPU_CAPABILITY``)."""
+    return (cpu_quant.available() and not os.environ.get("ATEN_CPU_CAPABILITY")
+            and torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
+
+
+def bf16_tiles(weight: Tensor) -> Tensor:
+    """A bf16 ``weight [N, K]`` (N a multiple of 16, K of 32) in the tile unit's order, ``[N / 16, K / 2, 16, 2]``:
+    for each block of 16 output rows and each pair of K values, the 16 rows' pairs side by side."""
+    n, k = weight.shape
+    return weight.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def bf16_tiles_linear(x: Tensor, tiles: Tensor, out_features: int) -> Tensor:
+    """``x @ W.T`` for bf16 ``x [..., K]`` (at most 16 rows) and ``W`` as :func:`bf16_tiles` laid it out;
+    ``[..., out_features]`` in bf16, summed in float32 by the tile unit."""
+    y = torch.ops.workbook.bf16_tiles_linear(x.reshape(-1, x.shape[-1]), tiles, out_features)
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+class FloatLinear(nn.Module):
+    """An ``nn.Linear`` (same weight and bias tensors, not copied) whose decode rows call the workbook's kernel:
+    :func:`bf16_tiles_linear` for a bf16 weight whose shape fits the tiles where :func:`tiles_here` (``tiles``,
+    a second copy of the weight, not counted as weight bytes: decode reads one or the other), else
+    :func:`float_linear`. ``path`` says which."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        if not linear.weight.is_contiguous():
+            raise ValueError("FloatLinear needs a contiguous weight [out_features, in_features]")
+        if not cpu_quant.available():
+            raise WorkbookError("FloatLinear calls the workbook's CPU kernels, which are not in use here "
+                                "(not built, or $WORKBOOK_CPU_QUANT=0): keep the nn.Linear (on_workbook_kernels does)")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.kernel, self.use_kernel = "workbook", True  # what utils.fast.has_weights_to_pack looks for
+        fits = self.weight.dtype == torch.bfloat16 and self.out_features % 16 == 0 and self.in_features % 32 == 0
+        self.path = "tiles" if fits and tiles_here() else "rows"
+        if self.path == "tiles":
+            self.register_buffer("tiles", bf16_tiles(self.weight.detach()), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
+        if x.numel() > MAX_ROWS * x.shape[-1]:
+            return F.linear(x, self.weight, self.bias)
+        if self.path == "tiles" and x.dtype == torch.bfloat16:
+            y = bf16_tiles_linear(x, self.tiles, self.out_features)
+        else:
+            y = float_linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+def on_workbook_kernels(model: Llama) -> Llama:
+    """``model`` with every float32 or bf16 ``nn.Linear`` projection a :class:`FloatLinear`: a new module tree that
+    shares ``model``'s tensors (no weight is copied; a tied LM head stays tied). ``model`` itself where there is none
+    to replace, or where the kernels do not run (not a CPU, not built, ``$WORKBOOK_CPU_QUANT=0``)."""
+    plain = [name for name, m in iter_linears(model) if type(m) is nn.Linear
+             and m.weight.dtype in (torch.float32, torch.bfloat16)]
+    if not plain or model.device.type != "cpu" or not cpu_quant.available():
+        return model
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    new = copy.deepcopy(model, memo=shared)
+    linears = dict(iter_linears(new))
+    for name in plain:
+        replace_linear(new, name, FloatLinear(linears[name]))
+    return new
