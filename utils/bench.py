@@ -17,7 +17,11 @@ compiled step in bf16 (and float32), the compiled int8 and int4 (+ int8 head) co
 llama.cpp on the embedded GGUF file (``llama-cpp-python``, installed on first use by
 ``make bench``; when it is missing its row says why). Each row: tok/s, MB read per token,
 share of the measured-bandwidth ceiling, speed-up over transformers bf16, greedy-token
-agreement, compile seconds. ``--quick`` (CI): bf16 eager rows and the compiled int4 row only.
+agreement, compile seconds. On a CPU every compiled row's projections call the workbook's own kernels
+(:mod:`utils.cpu_linear` for float32 and bf16, :mod:`utils.cpu_quant` for int8 and int4), so each step is built by
+layer groups in seconds; the full run also builds the int4 and bf16 steps whole (bf16: inductor's pre-packed GEMMs)
+and times both ways in turns (:func:`layered_comparison`). ``--quick`` (CI): bf16 eager rows and the compiled int4
+row only.
 ``--server URL`` adds a row for any OpenAI-compatible server, timed from outside one request at a time
 (:mod:`utils.openai_client`); ``--server llama.cpp`` starts llama.cpp's own server here on the embedded
 file (:mod:`utils.llama_server`, built once on first use), and its row says how its text and its speed
@@ -38,7 +42,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import decode_table, fast, llama, llama_server, peer, quant
+from . import cpu_linear, decode_table, fast, llama, llama_server, peer, quant
 from .decide import MIN_SPREAD
 from .engine import decode_speed, generate, measure_prefill
 from .hardware import describe_machine, measure_matmul_flops, probe_bandwidth
@@ -110,52 +114,72 @@ def fast_models(lm: LoadedModel, quick: bool) -> dict[str, Llama]:
     return forms
 
 
-def kernel_comparison(lm: LoadedModel, forms: dict[str, Llama], new_tokens: int) -> dict[str, dict[str, Any]]:
-    """Each quantized form whose layers call the workbook's CPU kernels (:mod:`utils.cpu_quant`) against the same
-    quantization on PyTorch's kernels, in this run: both forms' projections alone (GB/s of their weights, as
-    :func:`utils.fast.projections_once`, timed in turns) and their eager greedy tokens on a short prompt, compared.
-    Empty where the workbook's kernels are not in use (a GPU, no compiler, ``WORKBOOK_CPU_QUANT=0``)."""
-    fp32, out = None, {}
-    ids = filler_ids(lm.tokenizer, 32, lm.device)
-    for weights, own in forms.items():
-        if "workbook" not in {getattr(m, "kernel", "") for _, m in llama.iter_linears(own)}:
-            continue
-        fp32 = Llama.from_hf(lm.model).float() if fp32 is None else fp32
+def kernel_pair(fp32: Llama, weights: str, model: Llama) -> tuple[Llama, Llama] | None:
+    """``(on the workbook's CPU kernels, on PyTorch's)`` for one form of the table: a quantized form against the same
+    quantization on aten's kernels, a float form on :mod:`utils.cpu_linear` against itself on ``nn.Linear``. None
+    where the workbook's kernels are not in use (a GPU, no compiler, ``WORKBOOK_CPU_QUANT=0``)."""
+    if any(getattr(m, "kernel", "") == "workbook" for _, m in llama.iter_linears(model)):
         bits, head_bits = (4, 8) if weights.startswith("int4") else (8, 8)
-        aten = quant.quantized_copy(fp32, bits, head_bits, kernel="aten")
-        models = {"workbook": own, "aten": aten}  # timed in turns: a slow spell hits both alike
+        return model, quant.quantized_copy(fp32, bits, head_bits, kernel="aten")
+    if weights.startswith("int"):
+        return None
+    own = cpu_linear.on_workbook_kernels(model)
+    return None if own is model else (own, model)
+
+
+def kernel_comparison(lm: LoadedModel, forms: dict[str, Llama], new_tokens: int) -> dict[str, dict[str, Any]]:
+    """Each form whose projections can call the workbook's CPU kernels against the same weights on PyTorch's
+    (:func:`kernel_pair`), in this run: both forms' projections alone (GB/s of their weights, as
+    :func:`utils.fast.projections_once`, timed in turns) and their eager greedy tokens on a short prompt, compared.
+    Empty where the workbook's kernels are not in use."""
+    out: dict[str, dict[str, Any]] = {}
+    ids = filler_ids(lm.tokenizer, 32, lm.device)
+    fp32 = Llama.from_hf(lm.model).float()
+    for weights, model in forms.items():
+        if (pair := kernel_pair(fp32, weights, model)) is None:
+            continue
+        models = dict(zip(("workbook", "aten"), pair))  # timed in turns: a slow spell hits both alike
         times = interleaved({k: fast.projections_once(m) for k, m in models.items()}, repeats=7, progress=False)
         speed = {k: bytes_read_per_token(models[k]) / t.median / 1e9 for k, t in times.items()}
-        a, b = (generate(m, ids, new_tokens)[0].tolist() for m in (own, aten))
-        split = decode_table.divergence(aten, ids, a, b)
+        a, b = (generate(m, ids, new_tokens)[0].tolist() for m in pair)
+        split = decode_table.divergence(pair[1], ids, a, b)
         out[weights] = {"workbook_GBps": round(speed["workbook"], 2), "aten_GBps": round(speed["aten"], 2),
                         "speedup": round(speed["workbook"] / speed["aten"], 2),
                         "tokens": f"{decode_table.tokens_agreed(a, b)}/{len(a)} greedy tokens equal" + decode_table.split_note(split)}
     return out
 
 
-def layered_comparison(lm: LoadedModel, forms: dict[str, Llama], context: int, new_tokens: int) -> dict[str, Any]:
-    """:data:`QUICK_COMPILED`'s step built by layer groups (:class:`utils.fast.LayeredStep`, what its row uses)
-    against the same model's whole step (:class:`utils.fast.PackagedStep`) at ``context``: each one's first call
-    (built here or loaded), their decode speed timed in turns, their greedy tokens compared. Empty where the step
-    is not built by layer groups (a GPU, PyTorch's kernels)."""
-    model = forms.get(QUICK_COMPILED)
-    if model is None or lm.device.type != "cpu" or not fast.compiles_by_layer(model):
+LAYERED_COMPARED = (QUICK_COMPILED, "bfloat16")
+"""The forms whose step the full bench builds both ways (:func:`layered_comparison`)."""
+
+
+def layered_comparison(lm: LoadedModel, forms: dict[str, Llama], context: int, new_tokens: int,
+                       weights: str = QUICK_COMPILED) -> dict[str, Any]:
+    """``forms[weights]``'s step as its row builds it, by layer groups on the workbook's kernels
+    (:class:`utils.fast.LayeredStep`, :func:`utils.cpu_linear.on_workbook_kernels` for a float form), against the
+    whole step of ``forms[weights]`` itself (:class:`utils.fast.PackagedStep`: for a float form, inductor's own
+    pre-packed GEMMs) at ``context``: each one's first call (built here or loaded), their decode speed timed in
+    turns, their greedy tokens compared. Empty where the step is not built by layer groups (a GPU, PyTorch's
+    kernels)."""
+    model = forms.get(weights)
+    layered = cpu_linear.on_workbook_kernels(model) if model is not None else None
+    if layered is None or lm.device.type != "cpu" or not fast.compiles_by_layer(layered):
         return {}
     ids, length = filler_ids(lm.tokenizer, context, lm.device), fast.static_length(context, new_tokens)
-    decoders = {how: fast.FastDecoder.build(model, length, compiled=True, label=how, by_layer=by_layer)
-                for how, by_layer in (("layer groups", True), ("whole step", False))}
+    decoders = {how: fast.FastDecoder.build(m, length, compiled=True, label=how, by_layer=by_layer)
+                for how, m, by_layer in (("layer groups", layered, True), ("whole step", model, False))}
     first = {how: (d.warm_up(ids), d.step.source)[::-1] for how, d in decoders.items()}
     tokens = {how: d.generate(ids, new_tokens)[0].tolist() for how, d in decoders.items()}
     times = interleaved({how: (lambda start, d=d: d.decode(start, new_tokens)) for how, d in decoders.items()},
                         setup={how: (lambda d=d: d.prefill(ids)) for how, d in decoders.items()}, repeats=7, progress=False)
     speed = {how: new_tokens / t.median for how, t in times.items()}
     a, b = tokens["layer groups"], tokens["whole step"]
-    return {"weights": QUICK_COMPILED, "context": context,
+    split = decode_table.divergence(model, ids, a, b)
+    return {"weights": weights, "context": context,
             **{f"{how} first call": f"{src} in {s:.1f} s" for how, (src, s) in first.items()},
             **{f"{how} tok/s": round(v, 1) for how, v in speed.items()},
             "speed ratio": round(speed["layer groups"] / speed["whole step"], 3),
-            "tokens": f"{decode_table.tokens_agreed(a, b)}/{len(a)} greedy tokens equal"}
+            "tokens": f"{decode_table.tokens_agreed(a, b)}/{len(a)} greedy tokens equal" + decode_table.split_note(split)}
 
 
 def fast_rows_at(lm: LoadedModel, forms: dict[str, Llama], context: int, new_tokens: int,
@@ -176,7 +200,7 @@ def fast_rows_at(lm: LoadedModel, forms: dict[str, Llama], context: int, new_tok
                                       what="eager bf16", repeats=repeats)
     rows += [eager, static]
     for weights in (list(forms) if compiled is None else compiled):  # each against its own model's eager step
-        model = forms[weights]
+        model = cpu_linear.on_workbook_kernels(forms[weights])  # a CPU: float projections on the workbook's kernel
         reference = (torch.tensor(static.tokens) if model is bf16
                      else fast.FastDecoder.build(model, length, compiled=False).generate(ids, n)[0])
         what = f"static eager {weights.split()[0]}"
@@ -241,8 +265,8 @@ def run_fast_path(lm: LoadedModel, contexts: list[int], new_tokens: int, repeats
     kernels = {w: round(bytes_read_per_token(m) / fast.projections_seconds(m) / 1e9, 2) for w, m in forms.items()}
     out: dict[str, Any] = {"rows": [], "kernel_GBps": kernels, "targets": {}, "llama_cpp": "not asked for",
                            "own_kernels": kernel_comparison(lm, forms, new_tokens)}
-    if not quick:  # the whole step builds in half a minute, once per machine: not in CI's quick run
-        out["layer_groups"] = layered_comparison(lm, forms, contexts[0], new_tokens)
+    if not quick:  # a whole step builds in half a minute to a minute, once per machine: not in CI's quick run
+        out["layer_groups"] = [c for w in LAYERED_COMPARED if (c := layered_comparison(lm, forms, contexts[0], new_tokens, w))]
     for context in contexts:
         rows = fast_rows_at(lm, forms, context, new_tokens, repeats, compiled)
         if with_llama_cpp:
@@ -325,7 +349,7 @@ def print_targets(fp: dict[str, Any]) -> None:
     for weights, c in fp.get("own_kernels", {}).items():
         print(f"kernels      {weights}: the workbook's kernels {c['workbook_GBps']} GB/s, the same weights on aten's "
               f"{c['aten_GBps']} GB/s ({c['speedup']:.2f}x); eager, {c['tokens']}")
-    if c := fp.get("layer_groups"):
+    for c in fp.get("layer_groups", []):
         print(f"compile      {c['weights']} @{c['context']}: by layer groups, first call {c['layer groups first call']}, "
               f"{c['layer groups tok/s']} tok/s; the whole step, first call {c['whole step first call']}, "
               f"{c['whole step tok/s']} tok/s (timed in turns: {c['speed ratio']:.3f}x); {c['tokens']}")

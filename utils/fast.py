@@ -27,7 +27,9 @@ to do less per step, in this order (each is a row of the roofline lab's table):
    step to step and nothing recompiles (:func:`compile_count` counts, :func:`explain_recompiles`
    shows dynamo's reasons).
 4. **Weight-only int8 / int4 kernels** (:mod:`utils.quant`): fewer bytes again; on a CPU the workbook's own
-   (:mod:`utils.cpu_quant`), which read them faster than PyTorch's for decode's one row.
+   (:mod:`utils.cpu_quant`), which read them faster than PyTorch's for decode's one row. Float32 and bf16 weights
+   have one too (:mod:`utils.cpu_linear`: on a CPU with AMX, bf16 through its tile unit): a model on it has nothing
+   to pre-pack, so its step is built by layer groups as well.
 
 :meth:`FastDecoder.generate` runs a request (prefill eager, decode through the possibly
 compiled step) and returns the same greedy tokens as :func:`utils.engine.generate` in the same dtype; :func:`fast_decode_speed` times its
@@ -459,7 +461,8 @@ class LayeredStep:
     wrapper. What it costs: one call into a package per group (see :data:`LAYER_GROUP` for the speed
     measured against the whole step). It serves only where the weights have nothing to pre-pack (every
     projection calls the workbook's kernels, :func:`has_weights_to_pack`): inductor's pre-packed GEMMs are
-    made from the weights' values at compile time, so float projections keep :class:`PackagedStep`. The
+    made from the weights' values at compile time, so projections on ``nn.Linear`` keep :class:`PackagedStep`
+    (float weights get here through :func:`utils.cpu_linear.on_workbook_kernels`). The
     packages hold no weights (each group binds its own, as :class:`PackagedStep` binds the cache) and are
     keyed by shapes (:func:`part_key`): models of the same shapes share them. Same interface as
     :class:`PackagedStep`.
