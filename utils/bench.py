@@ -19,9 +19,9 @@ llama.cpp on the embedded GGUF file (``llama-cpp-python``, installed on first us
 share of the measured-bandwidth ceiling, speed-up over transformers bf16, greedy-token
 agreement, compile seconds. On a CPU every compiled row's projections call the workbook's own kernels
 (:mod:`utils.cpu_linear` for float32 and bf16, :mod:`utils.cpu_quant` for int8 and int4), so each step is built by
-layer groups in seconds; the full run also builds the int4 and bf16 steps whole (bf16: inductor's pre-packed GEMMs)
-and times both ways in turns (:func:`layered_comparison`). ``--quick`` (CI): bf16 eager rows and the compiled int4
-row only.
+layer groups in seconds; the full run also builds the int4, bf16 and float32 steps whole (float: inductor's
+pre-packed GEMMs) and times both ways in turns (:func:`layered_comparison`). ``--quick`` (CI): bf16 eager rows and
+the compiled int4 row only.
 ``--server URL`` adds a row for any OpenAI-compatible server, timed from outside one request at a time
 (:mod:`utils.openai_client`); ``--server llama.cpp`` starts llama.cpp's own server here on the embedded
 file (:mod:`utils.llama_server`, built once on first use), and its row says how its text and its speed
@@ -149,7 +149,7 @@ def kernel_comparison(lm: LoadedModel, forms: dict[str, Llama], new_tokens: int)
     return out
 
 
-LAYERED_COMPARED = (QUICK_COMPILED, "bfloat16")
+LAYERED_COMPARED = (QUICK_COMPILED, "bfloat16", "float32")
 """The forms whose step the full bench builds both ways (:func:`layered_comparison`)."""
 
 
