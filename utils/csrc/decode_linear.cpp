@@ -453,10 +453,10 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w) {
 // 32: the same product on a CPU's AMX tile unit. ``tiles`` holds W in AMX's pair order, 16 output rows at a time:
 // for output rows n0 .. n0 + 15, the 16 pairs (W[n, k], W[n, k + 1]) of each k pair sit side by side, so one 1 KiB
 // tile holds 32 values of K for 16 output rows, and a block of 16 output rows is one contiguous stream. One tile
-// instruction multiplies x's M rows (32 values each) by such a tile, summing in float32. Each thread takes a range
-// of blocks, four at a time (four streams in flight). Why: on a 2-core Xeon with AMX, SmolLM2's bf16 projections
-// alone read 18.9 GB/s this way against 12.8-13.3 for float_linear's rows (two runs, in turns; two blocks at a
-// time: 17.6-17.7).
+// instruction multiplies x's M rows (32 values each) by such a tile, summing in float32. Each thread takes an even
+// share of the blocks, four at a time (four streams in flight). Why: on a 2-core Xeon with AMX, SmolLM2's bf16
+// projections alone read 18.9 GB/s this way against 12.8-13.3 for float_linear's rows (two runs, in turns; two
+// blocks at a time: 17.6-17.7).
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];
@@ -489,11 +489,11 @@ at::Tensor bf16_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, int64
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(tiles.data_ptr<at::BFloat16>());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, (blocks + 3) / 4, 1, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {  // blocks split evenly: 36 -> 18 + 18
     configure_tiles(M);
     alignas(64) float out[16][64];
-    for (int64_t b = 4 * first; b < std::min(4 * last, blocks); b += 4) {
-      const int64_t count = std::min<int64_t>(4, blocks - b);
+    for (int64_t b = first; b < last; b += 4) {
+      const int64_t count = std::min<int64_t>(4, last - b);
       const uint16_t* w = wp + b * 16 * K;  // block b + j starts at w + j * 16 * K
       _tile_zero(4);
       _tile_zero(5);
