@@ -80,8 +80,8 @@ thread_local std::vector<float> x_buffer, y_buffer;  // the calling thread's, re
 // Asks for the cache lines ``kPrefetchBytes`` past the ``bytes`` bytes at ``p`` to be brought into L2. A thread
 // streams its rows in order, so those are lines it reads soon (past its last row, a harmless read). The hardware's
 // own prefetcher stops at each 4 KiB page and keeps fewer lines in flight. Measured on a 2-core Xeon (AMX), the
-// projections alone of SmolLM2's shapes, in turns: bf16 rows 14.2-14.8 GB/s without, 16.3-17.6 at 2 KiB ahead
-// (2-16 KiB alike); int8 9.9 -> 11.9 and int4 8.4 -> 10.2 at 2 KiB (4-16 KiB: less).
+// projections alone of SmolLM2's shapes, in turns: int8 9.9 -> 11.9 GB/s and int4 8.4 -> 10.2 at 2 KiB ahead
+// (4-16 KiB: less). The float kernel, four weight rows at a time, is faster without it (float_block).
 constexpr int64_t kPrefetchBytes = 2048;
 inline void prefetch_l2(const void* p, int64_t bytes) {
 #ifdef WORKBOOK_SIMD
@@ -297,9 +297,13 @@ void int4_row(const float* x, int64_t K, const uint8_t* w, const at::Half* dm, i
 }
 #endif
 
-// One float32 or bf16 weight row against MR rows of x: four accumulators per x row. A bf16 weight becomes a float32
-// one by a 16-bit shift (exact), so each product is exact and only the summation order differs from x @ W^T in
-// float32. W is uint16_t for bf16 (its bits), float for float32.
+// R float32 or bf16 weight rows (w, w + K, ...) against MR rows of x: y[m * N + r]. One accumulator per pair, a
+// vector of K per step: each x vector is loaded once for R weight rows, and R streams of weights are in flight. A
+// bf16 weight becomes a float32 one by a 16-bit shift (exact), so each product is exact and only the summation
+// order differs from x @ W^T in float32. W is uint16_t for bf16 (its bits), float for float32. Measured on a 2-core
+// Xeon, SmolLM2's projections alone, in turns: float32 4 weight rows at a time 21.9-22.5 GB/s, 2 rows 20.5-21.9,
+// one row 18.1-18.5 (PyTorch's 20.7-22.4), a software prefetch made 2 and 4 rows slower; bf16 one row 14.6-15.7,
+// 4 rows 12.2-13.2 (the conversions): float32 goes 4 rows at a time, bf16 one.
 #if defined(WORKBOOK_SIMD) && defined(__AVX512F__) && defined(__AVX512BW__)
 using Vec = __m512;
 constexpr int64_t kLanes = 16;
@@ -310,9 +314,9 @@ inline Vec vec_load(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 inline Vec vec_fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vec_sum(Vec a, Vec b, Vec c, Vec d) {
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a, b), _mm512_add_ps(c, d)));
-}
+inline Vec vec_add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline float vec_sum(Vec a) { return _mm512_reduce_add_ps(a); }
+constexpr int kFloatWeightRows = 4;
 #elif defined(WORKBOOK_SIMD)
 using Vec = __m256;
 constexpr int64_t kLanes = 8;
@@ -323,7 +327,11 @@ inline Vec vec_load(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 inline Vec vec_fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vec_sum(Vec a, Vec b, Vec c, Vec d) { return hsum(_mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(c, d))); }
+inline Vec vec_add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline float vec_sum(Vec a) { return hsum(a); }
+constexpr int kFloatWeightRows = 2;  // 16 vector registers: 4 rows of x x 2 weight rows of accumulators, their loads
+#else
+constexpr int kFloatWeightRows = 1;
 #endif
 
 inline float scalar_weight(float w) { return w; }
@@ -334,27 +342,36 @@ inline float scalar_weight(uint16_t w) {
   return f;
 }
 
-template <int MR, typename W>
-void float_row(const float* x, int64_t K, const W* w, float* y, int64_t N) {
-  prefetch_l2(w, K * static_cast<int64_t>(sizeof(W)));
+template <int MR, int R, typename W>
+void float_block(const float* x, int64_t K, const W* w, float* y, int64_t N) {
   int64_t k = 0;
-  float sum[MR] = {};
+  float sum[MR][R] = {};
 #ifdef WORKBOOK_SIMD
-  Vec acc[MR][4];
+  constexpr int C = MR == 1 ? 4 : MR == 2 ? 2 : 1;  // independent sums per pair: at most 16 accumulators
+  Vec acc[MR][R][C];
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < 4; ++j) acc[m][j] = vec_zero();
-  for (; k + 4 * kLanes <= K; k += 4 * kLanes) {
-    Vec f[4];
-    for (int j = 0; j < 4; ++j) f[j] = vec_load(w + k + kLanes * j);
-    for (int m = 0; m < MR; ++m)
-      for (int j = 0; j < 4; ++j) acc[m][j] = vec_fma(f[j], vec_load(x + m * K + k + kLanes * j), acc[m][j]);
-  }
-  for (int m = 0; m < MR; ++m) sum[m] = vec_sum(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[m][r][c] = vec_zero();
+  for (; k + C * kLanes <= K; k += C * kLanes)
+    for (int c = 0; c < C; ++c) {
+      Vec xv[MR];
+      for (int m = 0; m < MR; ++m) xv[m] = vec_load(x + m * K + k + c * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const Vec f = vec_load(w + r * K + k + c * kLanes);
+        for (int m = 0; m < MR; ++m) acc[m][r][c] = vec_fma(f, xv[m], acc[m][r][c]);
+      }
+    }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < R; ++r) {
+      for (int c = 1; c < C; ++c) acc[m][r][0] = vec_add(acc[m][r][0], acc[m][r][c]);
+      sum[m][r] = vec_sum(acc[m][r][0]);  // one horizontal sum per pair
+    }
 #endif
-  for (int m = 0; m < MR; ++m) {
-    for (int64_t t = k; t < K; ++t) sum[m] += scalar_weight(w[t]) * x[m * K + t];
-    y[m * N] = sum[m];
-  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < R; ++r) {
+      for (int64_t t = k; t < K; ++t) sum[m][r] += scalar_weight(w[r * K + t]) * x[m * K + t];
+      y[m * N + r] = sum[m][r];
+    }
 }
 
 // Calls row(n, rows of x from m0, MR) for every output row n and block of up to kMaxRows rows of x, output rows
@@ -439,13 +456,21 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w) {
   const Output out = new_output(x, N, y_buffer);
   const float* xp = float_rows(x, x_buffer);
   float* yp = out.values;
-  auto rows = [&](const auto* wp) {
-    for_each_row(M, N, [&](int64_t n, int64_t m0, int64_t mr) {
-      dispatch_rows(mr, [&](auto MR) { float_row<MR.value>(xp + m0 * K, K, wp + n * K, yp + m0 * N + n, N); });
+  // each thread's output rows, R at a time, then one at a time
+  auto rows = [&](const auto* wp, auto R) {
+    at::parallel_for(0, N, kGrain, [&](int64_t first, int64_t last) {
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
+        dispatch_rows(std::min(kMaxRows, M - m0), [&](auto MR) {
+          const float* xm = xp + m0 * K;
+          int64_t n = first;
+          for (; n + R.value <= last; n += R.value)
+            float_block<MR.value, R.value>(xm, K, wp + n * K, yp + m0 * N + n, N);
+          for (; n < last; ++n) float_block<MR.value, 1>(xm, K, wp + n * K, yp + m0 * N + n, N);
+        });
     });
   };
-  if (w.scalar_type() == at::kFloat) rows(w.data_ptr<float>());
-  else rows(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()));
+  if (w.scalar_type() == at::kFloat) rows(w.data_ptr<float>(), std::integral_constant<int, kFloatWeightRows>{});
+  else rows(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), std::integral_constant<int, 1>{});
   return finish(out);
 }
 
