@@ -17,9 +17,9 @@ def pytorch_attention(q, k, v, mask):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [16, 40, 64, 128])
-@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (8, 1)])
+@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (8, 1), (32, 1)])
 def test_cpu_decode_attention_kernel_agrees_with_pytorch(dtype, head_dim, heads, kv_heads):
-    """Two sequences, 3 or 8 query heads per KV head, a slice of a longer cache (as the static cache hands it over),
+    """Two sequences, 3, 8 or 32 (multi-query, the kernel's most) query heads per KV head, a slice of a longer cache (as the static cache hands it over),
     more slots than one chunk, a mask with left padding and a window (slot counts that fill no whole vector): the
     kernel's answer is PyTorch's. Head sizes: the vector paths' unrolled ones (64, 128), one they take with a loop
     (16), one that is no multiple of an AVX-512 vector (40)."""
@@ -69,11 +69,11 @@ def test_an_imitated_cpu_gets_a_kernel_for_its_instruction_sets(monkeypatch):
 
 
 def test_shapes_beyond_the_kernel_go_to_pytorch():
-    """17 query heads on one KV head is more than the kernel's group limit: attention answers with PyTorch's."""
+    """33 query heads on one KV head is more than the kernel's group limit: attention answers with PyTorch's."""
     from utils import llama
 
-    q, kv = torch.randn(1, 17, 1, 16).bfloat16(), torch.randn(1, 1, 30, 16).bfloat16()
+    q, kv = torch.randn(1, 33, 1, 16).bfloat16(), torch.randn(1, 1, 30, 16).bfloat16()
     mask = torch.ones(1, 1, 1, 30, dtype=torch.bool)
     assert not cpu_attention.handles(q, kv, kv, mask)
-    assert cpu_attention.handles(q[:, :16], kv, kv, mask)
+    assert cpu_attention.handles(q[:, :32], kv, kv, mask)
     assert torch.equal(llama.attention(q, kv, kv, mask), pytorch_attention(q, kv, kv, mask))

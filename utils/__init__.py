@@ -17,7 +17,7 @@ modules listed before it (``tests/test_layering.py`` checks it).
 - ``models``        load the embedded default model (offline) or another one; its spec; the test model; shape-only models
 - ``peer``          llama.cpp, the peer engine, on the embedded GGUF file (optional; built on first use)
 - ``cpu_extension`` the workbook's own CPU kernels (C++, ``csrc/``): built once per machine into one library, loaded on first use
-- ``cpu_attention`` decode attention over a bf16 cache on a CPU: the workbook's C++ kernel
+- ``cpu_attention`` decode attention over a KV cache on a CPU: the workbook's C++ kernel
 - ``cpu_quant``     int8 / int4 weight-only matrix products for decode on a CPU: the workbook's C++ kernels
 - ``llama``         a hand-written Llama forward pass and its preallocated KV cache
 - ``cpu_linear``    float32 / bf16 projections for decode on a CPU on the workbook's kernel (AMX tiles for bf16)

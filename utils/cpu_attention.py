@@ -10,8 +10,8 @@ it against PyTorch's kernel on the machine at hand.
 
 The kernel is a PyTorch operator, ``torch.ops.workbook.decode_attention``: eager code and a compiled step
 (``torch.compile`` or an AOTInductor package) call the same function, so they make the same tokens.
-:func:`utils.llama.attention` uses it for bf16 and fp16 caches; a float32 cache keeps PyTorch's kernel, which
-reads it without a copy and is not slower there by the cache's bytes (see that function).
+:func:`utils.llama.attention` uses it for every decode step on a CPU whose shape it handles, whatever the
+cache's float dtype.
 :func:`load` compiles it once per machine with the workbook's other CPU kernels (:mod:`utils.cpu_extension`);
 where that fails, :func:`available` is False and :func:`utils.llama.attention` keeps PyTorch's kernel.
 """
@@ -39,7 +39,7 @@ def available() -> bool:
     return load()
 
 
-MAX_GROUP, MAX_HEAD_DIM = 16, 256
+MAX_GROUP, MAX_HEAD_DIM = 32, 256
 """The largest query heads per KV head and head size the kernel handles (``kMaxGroup``, ``kMaxDim`` in its source)."""
 
 

@@ -1,6 +1,6 @@
 """The workbook's own CPU kernels (``csrc/*.cpp``): built once per machine into one library, loaded on first use.
 
-Two concepts use them, each in its own module: decode attention over a low-precision cache
+Two concepts use them, each in its own module: decode attention over a KV cache
 (:mod:`utils.cpu_attention`, ``torch.ops.workbook.decode_attention``) and weight-only int8/int4 matrix products
 for decode's few rows (:mod:`utils.cpu_quant`, ``torch.ops.workbook.int8_linear`` and ``int4_linear``). Each
 source registers its operators with PyTorch, so eager code and a compiled step (``torch.compile`` or an

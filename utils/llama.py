@@ -139,20 +139,19 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     Each group of ``H // Hkv`` query heads shares one K/V head: the cache holds only
     Hkv heads, which is what makes it ``H / Hkv`` times smaller than with full heads.
 
-    On a CPU a decode step (T = 1) over a bf16 (or fp16) cache uses the workbook's own kernel
-    (:mod:`utils.cpu_attention`): PyTorch's CPU kernel is slow on one query in low precision. Measured on a
-    2-core AMD EPYC (AVX2), one layer's attention over 1,280 cached bf16 slots, 30 layers' caches cycled:
-    1,165 µs with PyTorch's kernel as is, 447 µs on a float32 copy of the cache, 106 µs with the workbook's;
-    over 256 slots 261, 146 and 29 µs. The lab's attention cell measures them on the machine at hand.
-    Where it cannot be built, a low-precision cache is read in float32 by PyTorch's kernel. A float32 cache
-    keeps PyTorch's kernel: there the workbook's is bound by its arithmetic, not by the cache's bytes (chapter
-    08's multi-head step over 4,096 slots was 1.14x its multi-query step with it, against 1.36x predicted by
-    the bytes). GPUs keep their low-precision (flash) kernels.
+    On a CPU a decode step (T = 1) uses the workbook's own kernel (:mod:`utils.cpu_attention`) for every float
+    dtype: PyTorch's CPU kernel is built for prefill's many queries and is slow on one. Measured on a 2-core AMD
+    EPYC (AVX2), one layer's attention over 1,280 cached bf16 slots, 30 layers' caches cycled: 1,165 µs with
+    PyTorch's kernel as is, 447 µs on a float32 copy of the cache, 106 µs with the workbook's. On a 2-core Xeon,
+    SmolLM2 over 1,024 float32 slots: 81.5 µs with PyTorch's, 27.6 with the workbook's; inside a compiled float32
+    step, PyTorch's took 5.8 ms of its 26.6 ms. The lab's attention cell measures them on the machine at hand.
+    Both compute in float32, in a different order: their answers differ by float32 rounding, not more.
+    Where the kernel cannot be built, a low-precision cache is read in float32 by PyTorch's kernel.
+    GPUs keep their own (flash) kernels.
     """
-    low_precision = q.dtype in (torch.bfloat16, torch.float16)
-    if q.device.type == "cpu" and low_precision and cpu_attention.handles(q, k, v, mask) and cpu_attention.available():
+    if q.device.type == "cpu" and cpu_attention.handles(q, k, v, mask) and cpu_attention.available():
         return cpu_attention.decode_attention(q, k, v, mask)
-    if q.device.type == "cpu" and low_precision:
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
         return out.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)

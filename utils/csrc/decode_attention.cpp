@@ -39,7 +39,7 @@ inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
-constexpr int64_t kMaxGroup = 16;   // query heads per KV head
+constexpr int64_t kMaxGroup = 32;   // query heads per KV head (multi-query attention over 32 heads)
 constexpr int64_t kMaxDim = 256;    // head_dim
 constexpr int64_t kChunk = 256;     // slots per task
 
