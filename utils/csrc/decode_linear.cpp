@@ -374,13 +374,19 @@ void float_block(const float* x, int64_t K, const W* w, float* y, int64_t N) {
     }
 }
 
-// Calls row(n, rows of x from m0, MR) for every output row n and block of up to kMaxRows rows of x, output rows
-// split across threads.
-template <typename Row>
+// Calls row(n, m0, mr, R) for every block of R output rows from n (R a compile-time constant: the thread's last
+// rows come one at a time) and every block of up to kMaxRows rows of x from m0 (mr of them); output rows split
+// across threads. R > 1 lets a kernel load each x vector once for R weight rows.
+template <int R = 1, typename Row>
 void for_each_row(int64_t M, int64_t N, const Row& row) {
   at::parallel_for(0, N, kGrain, [&](int64_t first, int64_t last) {
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
-      for (int64_t n = first; n < last; ++n) row(n, m0, std::min(kMaxRows, M - m0));
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+      const int64_t mr = std::min(kMaxRows, M - m0);
+      int64_t n = first;
+      if constexpr (R > 1)
+        for (; n + R <= last; n += R) row(n, m0, mr, std::integral_constant<int, R>{});
+      for (; n < last; ++n) row(n, m0, mr, std::integral_constant<int, 1>{});
+    }
   });
 }
 
@@ -411,7 +417,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const float *xp = float_rows(x, x_buffer), *sp = sc.data_ptr<float>();
   const int8_t* wp = q.data_ptr<int8_t>();
   float* yp = out.values;
-  for_each_row(M, N, [&](int64_t n, int64_t m0, int64_t mr) {
+  for_each_row(M, N, [&](int64_t n, int64_t m0, int64_t mr, auto) {
     dispatch_rows(mr, [&](auto MR) { int8_row<MR.value>(xp + m0 * K, K, wp + n * K, sp[n], yp + m0 * N + n, N); });
   });
   return finish(out);
@@ -432,14 +438,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 #ifdef WORKBOOK_SIMD
   const Int16Rows& xr = int16_rows(xp, M, K);
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
-  for_each_row(M, N, [&](int64_t n, int64_t m0, int64_t mr) {
+  for_each_row(M, N, [&](int64_t n, int64_t m0, int64_t mr, auto) {
     dispatch_rows(mr, [&](auto MR) {
       int4_row<MR.value>(xr, K, wp + n * (K / 2), dp + n * 2 * (K / g), g, yp + m0 * N + n, N, m0);
     });
   });
 #else
   const at::Half* dp = dm.data_ptr<at::Half>();
-  for_each_row(M, N, [&](int64_t n, int64_t m0, int64_t mr) {
+  for_each_row(M, N, [&](int64_t n, int64_t m0, int64_t mr, auto) {
     dispatch_rows(mr, [&](auto MR) {
       int4_row<MR.value>(xp + m0 * K, K, wp + n * (K / 2), dp + n * 2 * (K / g), g, yp + m0 * N + n, N);
     });
@@ -456,17 +462,9 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w) {
   const Output out = new_output(x, N, y_buffer);
   const float* xp = float_rows(x, x_buffer);
   float* yp = out.values;
-  // each thread's output rows, R at a time, then one at a time
   auto rows = [&](const auto* wp, auto R) {
-    at::parallel_for(0, N, kGrain, [&](int64_t first, int64_t last) {
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
-        dispatch_rows(std::min(kMaxRows, M - m0), [&](auto MR) {
-          const float* xm = xp + m0 * K;
-          int64_t n = first;
-          for (; n + R.value <= last; n += R.value)
-            float_block<MR.value, R.value>(xm, K, wp + n * K, yp + m0 * N + n, N);
-          for (; n < last; ++n) float_block<MR.value, 1>(xm, K, wp + n * K, yp + m0 * N + n, N);
-        });
+    for_each_row<R.value>(M, N, [&](int64_t n, int64_t m0, int64_t mr, auto r) {
+      dispatch_rows(mr, [&](auto MR) { float_block<MR.value, r.value>(xp + m0 * K, K, wp + n * K, yp + m0 * N + n, N); });
     });
   };
   if (w.scalar_type() == at::kFloat) rows(w.data_ptr<float>(), std::integral_constant<int, kFloatWeightRows>{});
