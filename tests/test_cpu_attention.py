@@ -45,6 +45,9 @@ def test_cpu_decode_attention_refuses_shapes_it_does_not_handle():
         cpu_attention.decode_attention(q, kv, kv, mask.float())
     with pytest.raises(RuntimeError, match="H must be a multiple of Hkv"):
         cpu_attention.decode_attention(torch.randn(1, 5, 1, 16), kv, kv, mask)
+    with pytest.raises(RuntimeError, match="float32, bf16 or fp16 only"):
+        cpu_attention.decode_attention(q.double(), kv.double(), kv.double(), mask)
+    assert not cpu_attention.handles(q.double(), kv.double(), kv.double(), mask)  # float64 keeps PyTorch's kernel
     nothing = cpu_attention.decode_attention(q, kv, kv, torch.zeros_like(mask))  # no slot allowed: zeros
     assert torch.equal(nothing, torch.zeros_like(q))
 

@@ -269,7 +269,7 @@ def test_batch_that_does_not_fit_is_a_clear_error(lm):
 
 def test_attention_decodes_with_the_cpu_kernel_and_prefills_with_pytorch(monkeypatch):
     """A decode query (T = 1) on a CPU goes to the workbook's kernel, bf16 or float32 (the float32 answer is
-    PyTorch's up to float32 rounding); a prefill (T > 1) to PyTorch's (a bf16 cache read in float32); with
+    PyTorch's up to float32 rounding), not float64 (PyTorch's float64 answer); a prefill (T > 1) to PyTorch's (a bf16 cache read in float32); with
     $WORKBOOK_CPU_ATTENTION=0 decode goes to PyTorch's."""
     from test_cpu_attention import pytorch_attention
     from utils import cpu_attention
@@ -288,6 +288,10 @@ def test_attention_decodes_with_the_cpu_kernel_and_prefills_with_pytorch(monkeyp
     one32, k32, v32 = one.float(), k.float(), v.float()
     torch.testing.assert_close(L.attention(one32, k32, v32, mask1), pytorch_attention(one32, k32, v32, mask1),
                                atol=1e-5, rtol=1e-5)
+    assert calls == [1, 1]
+    one64, k64, v64 = one.double(), k.double(), v.double()  # a float64 reference stays on PyTorch's, in float64
+    assert torch.equal(L.attention(one64, k64, v64, mask1), nn.functional.scaled_dot_product_attention(
+        one64, k64, v64, attn_mask=mask1, enable_gqa=True))
     assert calls == [1, 1]
     monkeypatch.setenv("WORKBOOK_CPU_ATTENTION", "0")
     assert torch.equal(L.attention(one, k, v, mask1), pytorch_attention(one, k, v, mask1))

@@ -10,8 +10,8 @@ it against PyTorch's kernel on the machine at hand.
 
 The kernel is a PyTorch operator, ``torch.ops.workbook.decode_attention``: eager code and a compiled step
 (``torch.compile`` or an AOTInductor package) call the same function, so they make the same tokens.
-:func:`utils.llama.attention` uses it for every decode step on a CPU whose shape it handles, whatever the
-cache's float dtype.
+:func:`utils.llama.attention` uses it for every decode step on a CPU whose shape it handles, in float32, bf16 or
+fp16 (a float64 cache, kept as a precision reference, stays on PyTorch's float64 kernel).
 :func:`load` compiles it once per machine with the workbook's other CPU kernels (:mod:`utils.cpu_extension`);
 where that fails, :func:`available` is False and :func:`utils.llama.attention` keeps PyTorch's kernel.
 """
@@ -43,12 +43,18 @@ MAX_GROUP, MAX_HEAD_DIM = 32, 256
 """The largest query heads per KV head and head size the kernel handles (``kMaxGroup``, ``kMaxDim`` in its source)."""
 
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes the kernel reads. It computes in float32, so a float64 cache (a precision reference) keeps PyTorch's."""
+
+
 def handles(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> bool:
-    """True when the kernel can answer this decode query: one query per sequence, a bool mask, one dtype, at most
-    :data:`MAX_GROUP` query heads per KV head and :data:`MAX_HEAD_DIM` per head, rows of k and v contiguous."""
+    """True when the kernel can answer this decode query: one query per sequence, a bool mask, one dtype of
+    :data:`KERNEL_DTYPES`, at most :data:`MAX_GROUP` query heads per KV head and :data:`MAX_HEAD_DIM` per head, rows
+    of k and v contiguous."""
     return (q.dim() == 4 and q.shape[2] == 1 and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[2] == 1
-            and q.dtype == k.dtype == v.dtype and q.shape[1] % k.shape[1] == 0 and q.shape[1] // k.shape[1] <= MAX_GROUP
-            and q.shape[-1] <= MAX_HEAD_DIM and k.stride(-1) == 1 and v.stride(-1) == 1)
+            and q.dtype == k.dtype == v.dtype and q.dtype in KERNEL_DTYPES and q.shape[1] % k.shape[1] == 0
+            and q.shape[1] // k.shape[1] <= MAX_GROUP and q.shape[-1] <= MAX_HEAD_DIM
+            and k.stride(-1) == 1 and v.stride(-1) == 1)
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:

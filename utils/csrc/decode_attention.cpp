@@ -435,12 +435,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: k, v need a contiguous last dim");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "decode_attention: q, k, v must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              "decode_attention: float32, bf16 or fp16 only (it computes in float32), got ", q.scalar_type());
   TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(3) == k.size(2),
               "decode_attention: mask must be bool [B, 1, 1, S]");
   TORCH_CHECK(k.size(0) == q.size(0) && (mask.size(0) == 1 || mask.size(0) == q.size(0)),
               "decode_attention: k, v and mask must have q's batch size (the mask may have 1)");
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {  // double: refused above
     decode_attention_impl<scalar_t>(q, k, v, mask, out);
   });
   return out;
