@@ -36,6 +36,18 @@ def test_cpu_decode_attention_kernel_agrees_with_pytorch(dtype, head_dim, heads,
                                **({"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {}))
 
 
+@pytest.mark.parametrize("allowed", [1, 15, 16, 17, 63, 257, 1000])
+def test_cpu_decode_attention_over_any_number_of_allowed_slots(allowed):
+    """However many slots the mask allows (one; around a vector's 16 slots; past one chunk of 256 and over several),
+    in a cache with unfilled slots after them: PyTorch's answer, in float32."""
+    g = torch.Generator().manual_seed(allowed)
+    q = torch.randn(1, 9, 1, 64, generator=g)
+    k, v = (torch.randn(1, 3, 1024, 64, generator=g) for _ in range(2))
+    mask = (torch.arange(1024) < allowed)[None, None, None]
+    torch.testing.assert_close(cpu_attention.decode_attention(q, k, v, mask), pytorch_attention(q, k, v, mask),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_cpu_decode_attention_refuses_shapes_it_does_not_handle():
     q, kv = torch.randn(1, 6, 1, 16), torch.randn(1, 2, 30, 16)
     mask = torch.ones(1, 1, 1, 30, dtype=torch.bool)
