@@ -44,6 +44,7 @@ import hashlib
 import inspect
 import os
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from dataclasses import dataclass, field, replace
@@ -285,11 +286,27 @@ def package_step(step: nn.Module, example: tuple[Tensor, ...], settings: dict[st
     into the package ``path``."""
     partial = path.parent / "building" / f"{path.stem}.{os.getpid()}.pt2"
     partial.parent.mkdir(parents=True, exist_ok=True)
-    with torch.inference_mode(False), torch.no_grad(), templates_parsed_once():
+    with torch.inference_mode(False), torch.no_grad(), templates_parsed_once(), torch_notice_hidden():
         program = torch.export.export(step, example, strict=False)
         torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=settings)
     partial.replace(path)  # whole or not at all: another process may be reading the same key
     keep_recent_packages(path.parent, float(os.environ.get("WORKBOOK_STEP_CACHE_GB", STEP_CACHE_GB)) * 1e9)
+
+
+@contextmanager
+def torch_notice_hidden() -> Iterator[None]:
+    """Within this block torch's own deprecation notice about its pytree specs (``isinstance(treespec, LeafSpec)``,
+    raised by torch's code when it exports, copies or loads a step: one per package in a lab's output, and nothing a
+    learner can change) is not shown. Every other warning is."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated", category=FutureWarning)
+        yield
+
+
+def load_package(path: Path) -> Any:
+    """The AOTInductor package at ``path``, loaded (``torch._inductor.aoti_load_package``)."""
+    with torch_notice_hidden():
+        return torch._inductor.aoti_load_package(str(path))
 
 
 @contextmanager
@@ -357,7 +374,7 @@ class PackagedStep:
                 example = (torch.zeros(token.shape, dtype=token.dtype), slot.clone())
             package_step(self.step, example, self.settings, path)
         path.touch()  # recently used
-        self.runner = torch._inductor.aoti_load_package(str(path))
+        self.runner = load_package(path)
         own = dict(self.step.cache.named_buffers(prefix="cache"))
         self.runner.load_constants({n: own[n] for n in self.runner.get_constant_fqns() if n in own},
                                    check_full_update=False, user_managed=True)
@@ -509,7 +526,7 @@ class LayeredStep:
 def bound_package(path: Path, module: nn.Module) -> Callable[[list[Tensor]], list[Tensor]]:
     """The package at ``path`` loaded with ``module``'s own tensors as its constants (not copied: the package
     reads and writes them in place); returns its list-in, list-out call."""
-    runner = torch._inductor.aoti_load_package(str(path))
+    runner = load_package(path)
     own = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
     names = runner.get_constant_fqns()
     if missing := [n for n in names if n not in own]:
