@@ -66,9 +66,14 @@ def test_a_rows_fall_with_context_is_judged_against_its_bytes(capsys):
     # two steady timings (spread 0, as an H200 gave) 0.6% under the bytes' prediction: within a timer's grain
     steady = bench.context_drops([row("bfloat16", 128, 851.8, 2476, 0.0), row("bfloat16", 1024, 836.8, 2506, 0.0)])
     assert steady[0]["met"] and steady[0]["measured"] < steady[0]["predicted_by_bytes"]
-    bench.print_targets({"kernel_GBps": {}, "targets": {}, "rows": rows, "context_drops": list(drops.values())})
+    # timed in turns, the row's fall judges it; the tables' ratio is kept beside it
+    turns = bench.context_drops(rows, {"bfloat16": {"measured": 0.925, "spread": 0.01}})
+    assert turns[0]["met"] and turns[0]["in_turns"] and turns[0]["from_rows"] == round(57.4 / 65, 3)
+    assert not turns[1]["met"] and not turns[1]["in_turns"]
+    bench.print_targets({"kernel_GBps": {}, "targets": {}, "rows": rows, "context_drops": list(drops.values()) + turns[:1]})
     out = capsys.readouterr().out
     assert "int4: tok/s at 1,024 / at 128 = 0.34, its bytes predict 0.82 (not met" in out
+    assert "bfloat16: tok/s at 1,024 / at 128 = 0.93 timed in turns (0.88 from the two tables), its bytes predict 0.93 (met" in out
     assert "not met for bfloat16 @1024 (25 s), int4 @1024 (25 s)" in out
     assert "(a second time: loaded from disk): no row" in out
 
@@ -126,5 +131,7 @@ def test_the_layer_groups_are_timed_against_the_whole_step(capsys):
     assert all(got[f"{how} first call"].split()[0] in ("built", "loaded") for how in ("layer groups", "whole step"))
     bench.print_targets({"kernel_GBps": {}, "targets": {}, "rows": [], "layer_groups": [got]})
     assert "by layer groups, first call " in capsys.readouterr().out
+    fall = bench.fall_in_turns(lm, forms[bench.QUICK_COMPILED], (16, 48), 8, repeats=2)
+    assert 0 < fall["measured"] < 2 and fall["spread"] >= 0
     forms[bench.QUICK_COMPILED] = quant.quantized_copy(bench.Llama.from_hf(lm.model).float(), 4, 8, kernel="aten")
     assert bench.layered_comparison(lm, forms, 16, 8) == {}
