@@ -141,10 +141,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
 
     On a CPU a decode step (T = 1) in float32, bf16 or fp16 uses the workbook's own kernel
     (:mod:`utils.cpu_attention`; float64 stays on PyTorch's, in float64): PyTorch's CPU kernel is built for
-    prefill's many queries and is slow on one. Measured on a 2-core AMD EPYC (AVX2), one layer's attention over 1,280 cached bf16 slots, 30 layers' caches cycled: 1,165 µs with
-    PyTorch's kernel as is, 447 µs on a float32 copy of the cache, 106 µs with the workbook's. On a 2-core Xeon,
-    SmolLM2 over 1,024 float32 slots: 81.5 µs with PyTorch's, 27.6 with the workbook's; inside a compiled float32
-    step, PyTorch's took 5.8 ms of its 26.6 ms. The lab's attention cell measures them on the machine at hand.
+    prefill's many queries and is slow on one. Measured on a 2-core AMD EPYC (AVX2), one layer's attention over
+    1,280 cached bf16 slots, 30 layers' caches cycled: 1,165 µs with PyTorch's kernel as is, 447 µs on a float32
+    copy of the cache, 106 µs with the workbook's. On a 2-core Xeon, SmolLM2 over 1,024 float32 slots: 81.5 µs with
+    PyTorch's, 27.6 with the workbook's; inside a compiled float32 step, PyTorch's took 5.8 ms of its 26.6 ms. The lab's attention cell measures them on the machine at hand.
     Both compute in float32, in a different order: their answers differ by float32 rounding, not more.
     Where the kernel cannot be built, a low-precision cache is read in float32 by PyTorch's kernel.
     GPUs keep their own (flash) kernels.

@@ -358,11 +358,9 @@ void attend_chunk_simd(const float* qf, const T* k, const T* v, const bool* mask
 template <typename T>
 auto pick_chunk(int64_t D) {
 #ifdef WORKBOOK_SIMD
-  if constexpr (!std::is_same_v<T, double>) {  // float64 keeps the plain loops
-    if (D == 64) return attend_chunk_simd<T, 64 / Simd::W>;
-    if (D == 128) return attend_chunk_simd<T, 128 / Simd::W>;
-    if (D % Simd::W == 0) return attend_chunk_simd<T, 0>;
-  }
+  if (D == 64) return attend_chunk_simd<T, 64 / Simd::W>;
+  if (D == 128) return attend_chunk_simd<T, 128 / Simd::W>;
+  if (D % Simd::W == 0) return attend_chunk_simd<T, 0>;
 #endif
   return D == 64 ? attend_chunk<T, 64> : D == 128 ? attend_chunk<T, 128> : attend_chunk<T, 0>;
 }
@@ -442,9 +440,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(k.size(0) == q.size(0) && (mask.size(0) == 1 || mask.size(0) == q.size(0)),
               "decode_attention: k, v and mask must have q's batch size (the mask may have 1)");
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {  // double: refused above
-    decode_attention_impl<scalar_t>(q, k, v, mask, out);
-  });
+  auto impl = [&](auto zero) { decode_attention_impl<decltype(zero)>(q, k, v, mask, out); };
+  if (q.scalar_type() == at::kFloat) impl(0.f);
+  else if (q.scalar_type() == at::kBFloat16) impl(c10::BFloat16{});
+  else impl(c10::Half{});
   return out;
 }
 
