@@ -184,9 +184,12 @@ def layered_comparison(lm: LoadedModel, forms: dict[str, Llama], context: int, n
 
 
 def fast_rows_at(lm: LoadedModel, forms: dict[str, Llama], context: int, new_tokens: int,
-                 repeats: int, compiled: list[str] | None = None) -> list[decode_table.Row]:
+                 repeats: int, compiled: list[str] | None = None,
+                 step_forms: dict[str, Llama] | None = None) -> list[decode_table.Row]:
     """Every row of the table at one context length (see the module docstring); a compiled row
-    for each form in ``compiled`` (default: every form)."""
+    for each form in ``compiled`` (default: every form), on ``step_forms[form]`` where given (the form already on
+    the workbook's kernels, :func:`utils.cpu_linear.on_workbook_kernels`: a caller with several contexts converts
+    once, and bf16's AMX tiles are laid out once), else converted here."""
     ids, n, length = filler_ids(lm.tokenizer, context, lm.device), new_tokens, fast.static_length(context, new_tokens)
     bf16 = forms["bfloat16"]
     hf_bf16 = lm.model if lm.dtype == torch.bfloat16 else copy.deepcopy(lm.model).to(torch.bfloat16)
@@ -201,7 +204,7 @@ def fast_rows_at(lm: LoadedModel, forms: dict[str, Llama], context: int, new_tok
                                       what="eager bf16", repeats=repeats)
     rows += [eager, static]
     for weights in (list(forms) if compiled is None else compiled):  # each against its own model's eager step
-        model = cpu_linear.on_workbook_kernels(forms[weights])  # a CPU: float projections on the workbook's kernel
+        model = (step_forms or {}).get(weights) or cpu_linear.on_workbook_kernels(forms[weights])  # a CPU: the workbook's kernels
         reference = (torch.tensor(static.tokens) if model is bf16
                      else fast.FastDecoder.build(model, length, compiled=False).generate(ids, n)[0])
         what = f"static eager {weights.split()[0]}"
@@ -229,9 +232,9 @@ def fall_in_turns(lm: LoadedModel, model: Llama, contexts: tuple[int, int], new_
     Why: the two tables are measured minutes apart, and on a shared machine a slow spell in between moves every
     row's fall (one full run on a 2-core Xeon VM: between its tables transformers float32 fell to 0.87 of its speed
     where its bytes predict 0.93, and every compiled row to 0.76-0.83). The steps' packages were built by the rows:
-    loaded here.
+    loaded here. ``model`` may be on the workbook's kernels already (it is then used as it is).
     """
-    model = cpu_linear.on_workbook_kernels(model)
+    model = cpu_linear.on_workbook_kernels(model)  # no copy where it is converted already
     runs = {}
     for context in contexts:
         ids = filler_ids(lm.tokenizer, context, lm.device)
@@ -291,6 +294,7 @@ def run_fast_path(lm: LoadedModel, contexts: list[int], new_tokens: int, repeats
     """The fast-path table at each context, the kernels' own speed, llama.cpp and the targets; with ``server``
     (a base URL, or ``"llama.cpp"``: its server on the embedded file, see :func:`serving`), its row over HTTP."""
     forms = fast_models(lm, quick)
+    step_forms = {w: cpu_linear.on_workbook_kernels(m) for w, m in forms.items()}  # once: bf16's tiles are a copy
     # quick (CI): compile only the row that meets llama.cpp; the roofline lab compiles bf16 in the same run
     compiled = [QUICK_COMPILED] if quick else None
     kernels = {w: round(bytes_read_per_token(m) / fast.projections_seconds(m) / 1e9, 2) for w, m in forms.items()}
@@ -299,7 +303,7 @@ def run_fast_path(lm: LoadedModel, contexts: list[int], new_tokens: int, repeats
     if not quick:  # a whole step builds in half a minute to a minute, once per machine: not in CI's quick run
         out["layer_groups"] = [c for w in LAYERED_COMPARED if (c := layered_comparison(lm, forms, contexts[0], new_tokens, w))]
     for context in contexts:
-        rows = fast_rows_at(lm, forms, context, new_tokens, repeats, compiled)
+        rows = fast_rows_at(lm, forms, context, new_tokens, repeats, compiled, step_forms)
         if with_llama_cpp:
             fp32 = next((r for r in rows if r.weights == "float32"), None)
             fp32_tokens = fp32.tokens if fp32 else generate(copy.deepcopy(forms["bfloat16"]).float(),
@@ -320,7 +324,7 @@ def run_fast_path(lm: LoadedModel, contexts: list[int], new_tokens: int, repeats
         out["rows"] += [r.as_dict(bandwidth, baseline.tok_s) for r in rows]
         out["targets"][str(context)] = targets_at(rows, bandwidth)
     in_turns = {} if quick or len(contexts) < 2 else {  # every compiled row of the full run
-        w: fall_in_turns(lm, m, (contexts[0], contexts[-1]), new_tokens) for w, m in forms.items()}
+        w: fall_in_turns(lm, m, (contexts[0], contexts[-1]), new_tokens) for w, m in step_forms.items()}
     out["context_drops"] = context_drops(out["rows"], in_turns)
     return out
 
