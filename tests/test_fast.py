@@ -289,12 +289,11 @@ def test_group_size_divides_the_layers():
     assert fast.group_size(30, 3) == 3 and fast.group_size(30) == fast.group_size(30, fast.LAYER_GROUP)
 
 
-def test_a_step_is_compiled_by_layer_groups_only_where_nothing_is_pre_packed(model, monkeypatch):
+def test_a_step_is_compiled_by_layer_groups_only_where_nothing_is_pre_packed(model):
     own = quant.quantized_copy(model, 4, 8, dtype=torch.float32)
     if not fast.has_weights_to_pack(own):  # the workbook's kernels are built here
-        assert fast.compiles_by_layer(own) and fast.layers_alike(own)
-        monkeypatch.setenv("WORKBOOK_LAYERED_STEP", "0")
-        assert not fast.compiles_by_layer(own)
+        assert fast.compiles_by_layer(own) and fast.compiles_by_layer(own, by_layer=True) and fast.layers_alike(own)
+        assert not fast.compiles_by_layer(own, by_layer=False)  # the whole step, asked for
     assert not fast.compiles_by_layer(model)  # float weights: the whole step, pre-packed
     mixed = quant.quantized_copy(model, 4, 8, dtype=torch.float32)
     mixed.layers[1].mlp.down_proj.kernel = "aten"  # one block unlike the others

@@ -78,6 +78,11 @@ def static_length(prompt_tokens: int, new_tokens: int, bucket: int = BUCKET) -> 
 # ----------------------------------------------------------------------------- the step
 
 
+def greedy_pick(logits: Tensor) -> Tensor:
+    """The next token of each sequence, greedy: ``logits [B, T, V]`` -> the argmax of the last position, ``[B]``."""
+    return logits[:, -1].argmax(dim=-1)
+
+
 class DecodeStep(nn.Module):
     """One greedy decode step of ``model`` over one static ``cache``.
 
@@ -93,8 +98,7 @@ class DecodeStep(nn.Module):
         self.model, self.cache, self.kv_len = model, cache, cache.max_len
 
     def forward(self, token: Tensor, slot: Tensor) -> Tensor:
-        logits = self.model(token, slot, self.cache, self.kv_len)  # [B, 1, V]
-        return logits[:, -1].argmax(dim=-1)  # [B]
+        return greedy_pick(self.model(token, slot, self.cache, self.kv_len))  # [B, 1, V] -> [B]
 
 
 def compile_options(device: torch.device, mode: str | None = None) -> dict[str, Any]:
@@ -162,12 +166,11 @@ def has_weights_to_pack(model: Llama) -> bool:
                    for _, m in iter_linears(model))
 
 
-def compiles_by_layer(model: Llama) -> bool:
+def compiles_by_layer(model: Llama, by_layer: bool | None = None) -> bool:
     """Whether a CPU step of ``model`` is a :class:`LayeredStep` (one group of blocks compiled, called per group): where
-    nothing has to be pre-packed (:func:`has_weights_to_pack`) and every block has the same shapes.
-    ``$WORKBOOK_LAYERED_STEP=0`` compiles the whole step instead (:class:`PackagedStep`), e.g. to compare."""
-    return (os.environ.get("WORKBOOK_LAYERED_STEP") != "0" and not has_weights_to_pack(model)
-            and layers_alike(model))
+    nothing has to be pre-packed (:func:`has_weights_to_pack`) and every block has the same shapes, unless
+    ``by_layer=False`` asks for the whole step (:class:`PackagedStep`), e.g. to compare the two."""
+    return by_layer is not False and not has_weights_to_pack(model) and layers_alike(model)
 
 
 def inductor_settings(step: DecodeStep, mode: str | None = None) -> dict[str, Any]:
@@ -201,8 +204,7 @@ def compile_step(step: DecodeStep, mode: str | None = None, backend: str = "indu
     """
     settings = inductor_settings(step, mode) if backend == "inductor" else {}
     if backend == "inductor" and step.cache.device.type == "cpu" and os.environ.get("WORKBOOK_STEP_PACKAGES") != "0":
-        layered = compiles_by_layer(step.model) and by_layer is not False
-        return (LayeredStep if layered else PackagedStep)(step, settings)
+        return (LayeredStep if compiles_by_layer(step.model, by_layer) else PackagedStep)(step, settings)
     # Every decoder is its own graph of the same code (DecodeStep.forward): a lab or benchmark that
     # builds one per model, dtype and context must not run into dynamo's limit of 8 per code.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DECODERS_PER_PROCESS)
@@ -434,7 +436,7 @@ class HeadCall(nn.Module):
         self.norm, self.lm_head = model.norm, model.lm_head
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.lm_head(self.norm(x))[:, -1].argmax(dim=-1)
+        return greedy_pick(self.lm_head(self.norm(x)))
 
 
 def block_signature(module: nn.Module) -> str:
