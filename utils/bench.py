@@ -183,13 +183,19 @@ def layered_comparison(lm: LoadedModel, forms: dict[str, Llama], context: int, n
             "tokens": f"{decode_table.tokens_agreed(a, b)}/{len(a)} greedy tokens equal" + decode_table.split_note(split)}
 
 
+def step_forms_of(forms: dict[str, Llama], compiled: list[str] | None = None) -> dict[str, Llama]:
+    """The forms in ``compiled`` (default: every form) as their compiled rows run them: on the workbook's kernels
+    (:func:`utils.cpu_linear.on_workbook_kernels`; bf16's AMX tiles are a copy of its weights, so this is done once
+    per run, and only for the forms compiled)."""
+    return {w: cpu_linear.on_workbook_kernels(forms[w]) for w in (list(forms) if compiled is None else compiled)}
+
+
 def fast_rows_at(lm: LoadedModel, forms: dict[str, Llama], context: int, new_tokens: int,
-                 repeats: int, compiled: list[str] | None = None,
-                 step_forms: dict[str, Llama] | None = None) -> list[decode_table.Row]:
+                 repeats: int, compiled: list[str] | None = None, *,
+                 step_forms: dict[str, Llama]) -> list[decode_table.Row]:
     """Every row of the table at one context length (see the module docstring); a compiled row
-    for each form in ``compiled`` (default: every form), on ``step_forms[form]`` where given (the form already on
-    the workbook's kernels, :func:`utils.cpu_linear.on_workbook_kernels`: a caller with several contexts converts
-    once, and bf16's AMX tiles are laid out once), else converted here."""
+    for each form in ``compiled`` (default: every form), on ``step_forms[form]``: the form on the workbook's
+    kernels (:func:`step_forms_of`, made once for every context)."""
     ids, n, length = filler_ids(lm.tokenizer, context, lm.device), new_tokens, fast.static_length(context, new_tokens)
     bf16 = forms["bfloat16"]
     hf_bf16 = lm.model if lm.dtype == torch.bfloat16 else copy.deepcopy(lm.model).to(torch.bfloat16)
@@ -204,7 +210,7 @@ def fast_rows_at(lm: LoadedModel, forms: dict[str, Llama], context: int, new_tok
                                       what="eager bf16", repeats=repeats)
     rows += [eager, static]
     for weights in (list(forms) if compiled is None else compiled):  # each against its own model's eager step
-        model = (step_forms or {}).get(weights) or cpu_linear.on_workbook_kernels(forms[weights])  # a CPU: the workbook's kernels
+        model = step_forms[weights]
         reference = (torch.tensor(static.tokens) if model is bf16
                      else fast.FastDecoder.build(model, length, compiled=False).generate(ids, n)[0])
         what = f"static eager {weights.split()[0]}"
@@ -294,16 +300,16 @@ def run_fast_path(lm: LoadedModel, contexts: list[int], new_tokens: int, repeats
     """The fast-path table at each context, the kernels' own speed, llama.cpp and the targets; with ``server``
     (a base URL, or ``"llama.cpp"``: its server on the embedded file, see :func:`serving`), its row over HTTP."""
     forms = fast_models(lm, quick)
-    step_forms = {w: cpu_linear.on_workbook_kernels(m) for w, m in forms.items()}  # once: bf16's tiles are a copy
     # quick (CI): compile only the row that meets llama.cpp; the roofline lab compiles bf16 in the same run
     compiled = [QUICK_COMPILED] if quick else None
+    step_forms = step_forms_of(forms, compiled)
     kernels = {w: round(bytes_read_per_token(m) / fast.projections_seconds(m) / 1e9, 2) for w, m in forms.items()}
     out: dict[str, Any] = {"rows": [], "kernel_GBps": kernels, "targets": {}, "llama_cpp": "not asked for",
                            "own_kernels": kernel_comparison(lm, forms, new_tokens)}
     if not quick:  # a whole step builds in half a minute to a minute, once per machine: not in CI's quick run
         out["layer_groups"] = [c for w in LAYERED_COMPARED if (c := layered_comparison(lm, forms, contexts[0], new_tokens, w))]
     for context in contexts:
-        rows = fast_rows_at(lm, forms, context, new_tokens, repeats, compiled, step_forms)
+        rows = fast_rows_at(lm, forms, context, new_tokens, repeats, compiled, step_forms=step_forms)
         if with_llama_cpp:
             fp32 = next((r for r in rows if r.weights == "float32"), None)
             fp32_tokens = fp32.tokens if fp32 else generate(copy.deepcopy(forms["bfloat16"]).float(),
