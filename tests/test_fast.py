@@ -93,6 +93,9 @@ def test_a_packaged_step_is_keyed_by_the_gemm_backends_a_user_picks(model, monke
     default = fast.step_key(step, settings)
     monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM_BACKENDS", "ATEN")  # not in settings: inductor reads it
     assert fast.step_key(step, settings) != default
+    monkeypatch.delenv("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM_BACKENDS")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # where inductor keeps its cache is not what it built
+    assert fast.step_key(step, settings) == default
 
 
 def test_a_packaged_step_is_keyed_by_weights_and_shapes_not_the_caches_contents(model):

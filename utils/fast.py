@@ -261,9 +261,12 @@ def _this_cpu() -> str:
 def _code_key(module: nn.Module, settings: dict[str, Any]) -> "hashlib._Hash":
     """A hash of what any package depends on besides its tensors: torch, this CPU, the code of the model and of
     ``module``'s class, the settings (with inductor's own ``TORCHINDUCTOR_*`` variables, e.g. the GEMM backends a
-    user picked) and which kernels it calls (the workbook's CPU kernels, named by their sources, or PyTorch's)."""
+    user picked, but not where its cache lives: inductor writes that variable itself when its cache module is first
+    imported, so a key taken before that differed from one taken after) and which kernels it calls (the workbook's CPU kernels, named by their
+    sources, or PyTorch's)."""
     h = hashlib.blake2b(digest_size=16)
-    inductor_env = sorted((k, v) for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_"))
+    inductor_env = sorted((k, v) for k, v in os.environ.items()
+                          if k.startswith("TORCHINDUCTOR_") and k != "TORCHINDUCTOR_CACHE_DIR")  # where, not what
     kernel = (f"{cpu_extension.library_path().name} attention={cpu_attention.available()} quant={cpu_quant.available()}"
               if cpu_extension.load() else "pytorch kernels")
     for part in (torch.__version__, _this_cpu(), kernel, inspect.getsource(llama), inspect.getsource(quant),
