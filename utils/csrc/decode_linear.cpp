@@ -75,7 +75,7 @@ at::Tensor finish(const Output& out) {
   return out.y;
 }
 
-thread_local std::vector<float> x_buffer, y_buffer;  // the calling thread's, reused call after call
+thread_local std::vector<float> x_buffer, y_buffer, pair_buffer;  // the calling thread's, reused call after call
 
 // Asks for the cache lines ``kPrefetchBytes`` past the ``bytes`` bytes at ``p`` to be brought into L2. A thread
 // streams its rows in order, so those are lines it reads soon (past its last row, a harmless read). The hardware's
@@ -297,22 +297,17 @@ void int4_row(const float* x, int64_t K, const uint8_t* w, const at::Half* dm, i
 }
 #endif
 
-// R float32 or bf16 weight rows (w, w + K, ...) against MR rows of x: y[m * N + r]. One accumulator per pair, a
-// vector of K per step: each x vector is loaded once for R weight rows, and R streams of weights are in flight. A
-// bf16 weight becomes a float32 one by a 16-bit shift (exact), so each product is exact and only the summation
-// order differs from x @ W^T in float32. W is uint16_t for bf16 (its bits), float for float32. Measured on a 2-core
-// Xeon, SmolLM2's projections alone, in turns: float32 4 weight rows at a time 21.9-22.5 GB/s, 2 rows 20.5-21.9,
-// one row 18.1-18.5 (PyTorch's 20.7-22.4), a software prefetch made 2 and 4 rows slower; bf16 one row 14.6-15.7,
-// 4 rows 12.2-13.2 (the conversions): float32 goes 4 rows at a time, bf16 one.
+// R float32 weight rows (w, w + K, ...) against MR rows of x: y[m * N + r]. One accumulator per pair, a vector of K
+// per step: each x vector is loaded once for R weight rows, and R streams of weights are in flight. Only the
+// summation order differs from x @ W^T in float32. Measured on a 2-core Xeon, SmolLM2's projections alone, in turns:
+// 4 weight rows at a time 21.9-22.5 GB/s, 2 rows 20.5-21.9, one row 18.1-18.5 (PyTorch's 20.7-22.4), a software
+// prefetch made 2 and 4 rows slower. Without vectors it also takes bf16 weights (W = uint16_t, their bits: a 16-bit
+// shift makes each an exact float32); with them bf16 has its own kernel, bf16_row below.
 #if defined(WORKBOOK_SIMD) && defined(__AVX512F__) && defined(__AVX512BW__)
 using Vec = __m512;
 constexpr int64_t kLanes = 16;
 inline Vec vec_zero() { return _mm512_setzero_ps(); }
 inline Vec vec_load(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vec_load(const uint16_t* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
 inline Vec vec_fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec vec_add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline float vec_sum(Vec a) { return _mm512_reduce_add_ps(a); }
@@ -322,10 +317,6 @@ using Vec = __m256;
 constexpr int64_t kLanes = 8;
 inline Vec vec_zero() { return _mm256_setzero_ps(); }
 inline Vec vec_load(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vec_load(const uint16_t* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
 inline Vec vec_fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec vec_add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline float vec_sum(Vec a) { return hsum(a); }
@@ -373,6 +364,77 @@ void float_block(const float* x, int64_t K, const W* w, float* y, int64_t N) {
       y[m * N + r] = sum[m][r];
     }
 }
+
+// ---- bf16 weights: each 32-bit lane of a vector load holds two weights, an even-indexed one in its low half and
+// the next in its high half. A 16-bit shift left makes the even one a float32, an AND with 0xFFFF0000 the odd one:
+// two plain integer operations for 2 x kLanes weights, where widening each half (vpmovzxwd, one shuffle port)
+// took two shuffles and two shifts. x is laid out to match once per call (pair_rows): in each block of 2 x kLanes
+// values, the even-indexed ones, then the odd. Each product is still exact; the sums run in another order.
+#ifdef WORKBOOK_SIMD
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+using IVec = __m512i;
+inline IVec ivec_load(const uint16_t* p) { return _mm512_loadu_si512(p); }
+inline Vec even_weights(IVec w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
+inline Vec odd_weights(IVec w) { return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(-65536))); }
+#else
+using IVec = __m256i;
+inline IVec ivec_load(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline Vec even_weights(IVec w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
+inline Vec odd_weights(IVec w) { return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(-65536))); }
+#endif
+constexpr int64_t kPair = 2 * kLanes;  // bf16 weights per vector load
+
+// x [M, K] in pair order (see above) into buffer; values past the last whole block are left in place.
+const float* pair_rows(const float* x, int64_t M, int64_t K, std::vector<float>& buffer) {
+  buffer.resize(M * K);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    float* out = buffer.data() + m * K;
+    int64_t k = 0;
+    for (; k + kPair <= K; k += kPair)
+      for (int64_t j = 0; j < kLanes; ++j) out[k + j] = xm[k + 2 * j], out[k + kLanes + j] = xm[k + 2 * j + 1];
+    std::copy(xm + k, xm + K, out + k);
+  }
+  return buffer.data();
+}
+
+// One bf16 weight row against MR rows of x (xp: x in pair order), as float_block: y[m * N]. The row 2 KiB ahead
+// is asked for first (prefetch_l2). Measured on a 2-core Xeon, SmolLM2's projections alone (30 layers cycled), in
+// turns with the widening loads of float_block: AVX2 build 9.6-10.6 -> 12.0-13.1 GB/s (four rounds), AVX-512 build
+// 11.3-12.0 -> 13.0-14.8 (three); two or four weight rows at a time, or no prefetch, were slower.
+template <int MR>
+void bf16_row(const float* xp, int64_t K, const uint16_t* w, float* y, int64_t N) {
+  prefetch_l2(w, 2 * K);
+  constexpr int C = MR <= 2 ? 2 : 1;  // vector loads per pass: at least 4 independent sums per row of x
+  Vec acc[MR][2 * C];
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < 2 * C; ++c) acc[m][c] = vec_zero();
+  int64_t k = 0;
+  for (; k + C * kPair <= K; k += C * kPair)
+    for (int c = 0; c < C; ++c) {
+      const IVec wv = ivec_load(w + k + c * kPair);
+      const Vec even = even_weights(wv), odd = odd_weights(wv);
+      for (int m = 0; m < MR; ++m) {
+        const float* xm = xp + m * K + k + c * kPair;
+        acc[m][2 * c] = vec_fma(even, vec_load(xm), acc[m][2 * c]);
+        acc[m][2 * c + 1] = vec_fma(odd, vec_load(xm + kLanes), acc[m][2 * c + 1]);
+      }
+    }
+  for (; k + kPair <= K; k += kPair) {  // a last whole block when C = 2
+    const IVec wv = ivec_load(w + k);
+    for (int m = 0; m < MR; ++m) {
+      acc[m][0] = vec_fma(even_weights(wv), vec_load(xp + m * K + k), acc[m][0]);
+      acc[m][1] = vec_fma(odd_weights(wv), vec_load(xp + m * K + k + kLanes), acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int c = 1; c < 2 * C; ++c) acc[m][0] = vec_add(acc[m][0], acc[m][c]);
+    float sum = vec_sum(acc[m][0]);
+    for (int64_t t = k; t < K; ++t) sum += scalar_weight(w[t]) * xp[m * K + t];  // the tail, left in place
+    y[m * N] = sum;
+  }
+}
+#endif
 
 // Calls row(n, m0, mr, R) for every block of R output rows from n (R a compile-time constant: the thread's last
 // rows come one at a time) and every block of up to kMaxRows rows of x from m0 (mr of them); output rows split
@@ -467,8 +529,19 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w) {
       dispatch_rows(mr, [&](auto MR) { float_block<MR.value, r.value>(xp + m0 * K, K, wp + n * K, yp + m0 * N + n, N); });
     });
   };
-  if (w.scalar_type() == at::kFloat) rows(w.data_ptr<float>(), std::integral_constant<int, kFloatWeightRows>{});
-  else rows(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), std::integral_constant<int, 1>{});
+  if (w.scalar_type() == at::kFloat) {
+    rows(w.data_ptr<float>(), std::integral_constant<int, kFloatWeightRows>{});
+    return finish(out);
+  }
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+#ifdef WORKBOOK_SIMD
+  const float* xq = pair_rows(xp, M, K, pair_buffer);
+  for_each_row(M, N, [&](int64_t n, int64_t m0, int64_t mr, auto) {
+    dispatch_rows(mr, [&](auto MR) { bf16_row<MR.value>(xq + m0 * K, K, wp + n * K, yp + m0 * N + n, N); });
+  });
+#else
+  rows(wp, std::integral_constant<int, 1>{});
+#endif
   return finish(out);
 }
 
