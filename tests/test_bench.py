@@ -135,3 +135,16 @@ def test_the_layer_groups_are_timed_against_the_whole_step(capsys):
     assert 0 < fall["measured"] < 2 and fall["spread"] >= 0
     forms[bench.QUICK_COMPILED] = quant.quantized_copy(bench.Llama.from_hf(lm.model).float(), 4, 8, kernel="aten")
     assert bench.layered_comparison(lm, forms, 16, 8) == {}
+
+
+def test_under_an_imitated_cpu_the_llama_cpp_row_says_it_is_not_imitated(capsys, monkeypatch):
+    """ATEN_CPU_CAPABILITY reaches PyTorch and the workbook's kernels, not llama.cpp's build: the table says so."""
+    from utils.decode_table import Row
+
+    rows = [Row("transformers", "bfloat16", 128, 20.0, 2.7e8), Row("llama.cpp 0.3", "Q4_1 (GGUF file)", 128, 90.0, 1e8)]
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    bench.print_rows_at(rows, 2e10, rows[0], "ok")
+    assert "not a laptop's" not in capsys.readouterr().out
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    bench.print_rows_at(rows, 2e10, rows[0], "ok")
+    assert "ATEN_CPU_CAPABILITY=avx2 imitates a plainer CPU" in capsys.readouterr().out

@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import copy
 import json
+import os
 import time
 from typing import Any, Iterator
 
@@ -383,6 +384,10 @@ def print_rows_at(rows: list[decode_table.Row], bandwidth: float, baseline: deco
     decode_table.print_rows(rows, bandwidth, baseline)
     if peer_note != "ok":
         print(f"{rows[0].context:>7}  llama.cpp: no row ({peer_note})")
+    elif imitated := os.environ.get("ATEN_CPU_CAPABILITY"):
+        print(f"{rows[0].context:>7}  llama.cpp: built for this CPU's own instruction sets; ATEN_CPU_CAPABILITY={imitated} "
+              "imitates a plainer CPU for PyTorch and the workbook's kernels only, so its ratio to llama.cpp here is "
+              "not a laptop's")
 
 
 def print_targets(fp: dict[str, Any]) -> None:
