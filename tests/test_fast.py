@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from test_batching import tiny_hf
@@ -53,6 +55,16 @@ def test_compiled_step_compiles_once_over_whole_generations(model):
     assert fast.compile_count() - before == 1, reasons
     assert reasons == []
     assert torch.equal(decoder.generate(IDS, 24), engine.generate(model, IDS, 24))
+
+
+def test_the_compile_time_leaves_out_the_prefill(model, monkeypatch):
+    """compile_s is the first decode steps' time (the compile or load): a slow prefill before them is not in it."""
+    decoder = fast.FastDecoder.build(model, 64, compiled=True, backend="eager")
+    prefill = decoder.prefill
+    monkeypatch.setattr(decoder, "prefill", lambda ids: (time.sleep(2.0), prefill(ids))[1])
+    t0 = time.perf_counter()
+    decoder.warm_up(IDS)
+    assert 0 < decoder.compile_s <= time.perf_counter() - t0 - 2.0
 
 
 def test_a_recompile_is_explained(model):
