@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -65,6 +66,17 @@ def test_the_compile_time_leaves_out_the_prefill(model, monkeypatch):
     t0 = time.perf_counter()
     decoder.warm_up(IDS)
     assert 0 < decoder.compile_s <= time.perf_counter() - t0 - 2.0
+
+
+def test_only_the_most_recently_used_precompiled_headers_are_kept(tmp_path):
+    for i in range(6):  # header i last used i hours ago
+        (tmp_path / f"h{i}.h").write_text("#include <x.h>\n")
+        (tmp_path / f"h{i}.h.gch").write_bytes(b"pch")
+        os.utime(tmp_path / f"h{i}.h.gch", (time.time() - 3600 * i, time.time() - 3600 * (i + 10)))
+    removed = fast.keep_recent_headers(tmp_path, keep=4)
+    assert sorted(p.name for p in removed) == ["h4.h.gch", "h5.h.gch"]
+    assert sorted(p.name for p in tmp_path.glob("*.gch")) == [f"h{i}.h.gch" for i in range(4)]
+    assert len(list(tmp_path.glob("*.h"))) == 6  # the headers' text stays for a compile already running
 
 
 def test_a_recompile_is_explained(model):

@@ -296,6 +296,7 @@ def package_step(step: nn.Module, example: tuple[Tensor, ...], settings: dict[st
         torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=settings)
     partial.replace(path)  # whole or not at all: another process may be reading the same key
     keep_recent_packages(path.parent, float(os.environ.get("WORKBOOK_STEP_CACHE_GB", STEP_CACHE_GB)) * 1e9)
+    keep_recent_headers()
 
 
 @contextmanager
@@ -346,6 +347,35 @@ def keep_recent_packages(folder: Path, max_bytes: float) -> None:
             break
         total -= old.stat().st_size
         old.unlink(missing_ok=True)
+
+
+HEADERS_KEPT = 4
+"""Inductor's precompiled headers kept (~140-155 MB each): one per set of compile flags and include paths, so four
+serve one environment on this CPU and on an imitated AVX2 one (the C++ prefix of its kernels, the AOT wrapper's)."""
+
+
+def keep_recent_headers(folder: Path | None = None, keep: int = HEADERS_KEPT) -> list[Path]:
+    """Remove all but the ``keep`` most recently used of inductor's precompiled headers (``*.gch`` in ``folder``,
+    default inductor's own); returns those removed.
+
+    Inductor keeps them in one folder under the temp dir whatever ``TORCHINDUCTOR_CACHE_DIR`` says, builds one per
+    set of flags and include paths (each new environment, e.g. a fresh clone's ``.venv``, and each imitated CPU makes
+    new ones) and never removes any: on a 2-core Xeon, 11 of them (1.5 GB) after a few days of runs. Called after
+    each package a step builds. A removed header is rebuilt the next time its flags are used; the small ``.h`` beside
+    it stays, so a compile running meanwhile reads the header's text instead."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    def last_used(p: Path) -> float:
+        try:
+            return max(p.stat().st_atime, p.stat().st_mtime)
+        except OSError:  # removed meanwhile by another process
+            return 0.0
+
+    folder = folder or Path(default_cache_dir()) / "precompiled_headers"
+    old = sorted(folder.glob("*.gch"), key=last_used, reverse=True)[keep:]
+    for header in old:
+        header.unlink(missing_ok=True)
+    return old
 
 
 class PackagedStep:
