@@ -50,31 +50,11 @@ modules listed before it (``tests/test_layering.py`` checks it).
 """
 
 import logging as _logging
-import os as _os
-import sys as _sys
 
 # torchao (used by the quantization lab) tries to load its CUDA extensions on import
 # and logs each failure on a CPU build; torch warns about its enums. Both are noise here.
 for _name in ("torchao", "torch.utils._pytree"):
     _logging.getLogger(_name).setLevel(_logging.ERROR)
-
-
-
-def _inductor_cache_in_environment() -> None:
-    """Keep inductor's cache (compiled kernels, autotune picks) inside this Python environment.
-
-    Inductor's default is one folder per user in the temp dir, shared by every environment, that nothing prunes
-    (1.3 GB on a 2-core Xeon after a few days of runs, besides its precompiled headers). Inside the environment
-    the cache goes with it (``make clean``, a deleted clone). Its precompiled headers stay in the temp dir, where
-    inductor keeps them whatever this says: :func:`utils.fast.keep_recent_headers` bounds those. A
-    ``TORCHINDUCTOR_CACHE_DIR`` already set wins; outside a virtual or conda environment, or where it is read-only,
-    inductor's default stays."""
-    in_environment = _sys.prefix != _sys.base_prefix or _os.environ.get("CONDA_PREFIX") == _sys.prefix
-    if in_environment and _os.access(_sys.prefix, _os.W_OK):
-        _os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _os.path.join(_sys.prefix, "torchinductor-cache"))
-
-
-_inductor_cache_in_environment()
 
 __version__ = "0.1.0"
 

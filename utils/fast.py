@@ -360,8 +360,9 @@ def keep_recent_headers(folder: Path | None = None, keep: int = HEADERS_KEPT) ->
 
     Inductor keeps them in one folder under the temp dir whatever ``TORCHINDUCTOR_CACHE_DIR`` says, builds one per
     set of flags and include paths (each new environment, e.g. a fresh clone's ``.venv``, and each imitated CPU makes
-    new ones) and never removes any: on a 2-core Xeon, 11 of them (1.5 GB) after a few days of runs. Called after
-    each package a step builds. A removed header is rebuilt the next time its flags are used; the small ``.h`` beside
+    new ones) and never removes any: on a 2-core Xeon, 11 of them (1.5 GB) after a few days of runs. The rest of
+    inductor's cache is left where inductor puts it (the temp dir: a reboot may clear it; a fresh clone on the same
+    machine reuses it). Called after each package a step builds. A removed header is rebuilt the next time its flags are used; the small ``.h`` beside
     it stays, so a compile running meanwhile reads the header's text instead."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
