@@ -262,8 +262,8 @@ def _code_key(module: nn.Module, settings: dict[str, Any]) -> "hashlib._Hash":
     """A hash of what any package depends on besides its tensors: torch, this CPU, the code of the model and of
     ``module``'s class, the settings (with inductor's own ``TORCHINDUCTOR_*`` variables, e.g. the GEMM backends a
     user picked, but not where its cache lives: inductor writes that variable itself when its cache module is first
-    imported, so a key taken before that differed from one taken after) and which kernels it calls (the workbook's CPU kernels, named by their
-    sources, or PyTorch's)."""
+    imported, so a key taken before that differed from one taken after) and which kernels it calls (the workbook's
+    CPU kernels, named by their sources, or PyTorch's)."""
     h = hashlib.blake2b(digest_size=16)
     inductor_env = sorted((k, v) for k, v in os.environ.items()
                           if k.startswith("TORCHINDUCTOR_") and k != "TORCHINDUCTOR_CACHE_DIR")  # where, not what
@@ -362,15 +362,16 @@ def keep_recent_headers(folder: Path | None = None, keep: int = HEADERS_KEPT) ->
     set of flags and include paths (each new environment, e.g. a fresh clone's ``.venv``, and each imitated CPU makes
     new ones) and never removes any: on a 2-core Xeon, 11 of them (1.5 GB) after a few days of runs. The rest of
     inductor's cache is left where inductor puts it (the temp dir: a reboot may clear it; a fresh clone on the same
-    machine reuses it). Called after each package a step builds. A removed header is rebuilt the next time its flags are used; the small ``.h`` beside
-    it stays, so a compile running meanwhile reads the header's text instead."""
+    machine reuses it). Called after each package a step builds. A removed header is rebuilt the next time its
+    flags are used; the small ``.h`` beside it stays, so a compile running meanwhile reads the header's text."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     def last_used(p: Path) -> float:
         try:
-            return max(p.stat().st_atime, p.stat().st_mtime)
+            st = p.stat()
         except OSError:  # removed meanwhile by another process
             return 0.0
+        return max(st.st_atime, st.st_mtime)
 
     folder = folder or Path(default_cache_dir()) / "precompiled_headers"
     old = sorted(folder.glob("*.gch"), key=last_used, reverse=True)[keep:]

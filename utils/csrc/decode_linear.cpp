@@ -409,24 +409,18 @@ void bf16_row(const float* xp, int64_t K, const uint16_t* w, float* y, int64_t N
   Vec acc[MR][2 * C];
   for (int m = 0; m < MR; ++m)
     for (int c = 0; c < 2 * C; ++c) acc[m][c] = vec_zero();
+  auto block = [&](int64_t at, int c) {  // the kPair weights from at into accumulators 2c (even) and 2c + 1 (odd)
+    const IVec wv = ivec_load(w + at);
+    const Vec even = even_weights(wv), odd = odd_weights(wv);
+    for (int m = 0; m < MR; ++m) {
+      acc[m][2 * c] = vec_fma(even, vec_load(xp + m * K + at), acc[m][2 * c]);
+      acc[m][2 * c + 1] = vec_fma(odd, vec_load(xp + m * K + at + kLanes), acc[m][2 * c + 1]);
+    }
+  };
   int64_t k = 0;
   for (; k + C * kPair <= K; k += C * kPair)
-    for (int c = 0; c < C; ++c) {
-      const IVec wv = ivec_load(w + k + c * kPair);
-      const Vec even = even_weights(wv), odd = odd_weights(wv);
-      for (int m = 0; m < MR; ++m) {
-        const float* xm = xp + m * K + k + c * kPair;
-        acc[m][2 * c] = vec_fma(even, vec_load(xm), acc[m][2 * c]);
-        acc[m][2 * c + 1] = vec_fma(odd, vec_load(xm + kLanes), acc[m][2 * c + 1]);
-      }
-    }
-  for (; k + kPair <= K; k += kPair) {  // a last whole block when C = 2
-    const IVec wv = ivec_load(w + k);
-    for (int m = 0; m < MR; ++m) {
-      acc[m][0] = vec_fma(even_weights(wv), vec_load(xp + m * K + k), acc[m][0]);
-      acc[m][1] = vec_fma(odd_weights(wv), vec_load(xp + m * K + k + kLanes), acc[m][1]);
-    }
-  }
+    for (int c = 0; c < C; ++c) block(k + c * kPair, c);
+  for (; k + kPair <= K; k += kPair) block(k, 0);  // a last whole block when C = 2
   for (int m = 0; m < MR; ++m) {
     for (int c = 1; c < 2 * C; ++c) acc[m][0] = vec_add(acc[m][0], acc[m][c]);
     float sum = vec_sum(acc[m][0]);
