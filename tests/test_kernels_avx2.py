@@ -18,7 +18,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNEL_TESTS = ("tests/test_cpu_linear.py", "tests/test_cpu_quant.py", "tests/test_cpu_attention.py")
+KERNEL_TESTS = ("tests/test_cpu_linear.py", "tests/test_cpu_quant.py", "tests/test_cpu_attention.py",
+                "tests/test_cpu_pick.py")
 IMITATED = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 

@@ -1,9 +1,9 @@
 """The workbook's own CPU kernels (``csrc/*.cpp``): built once per machine into one library, loaded on first use.
 
-Two concepts use them, each in its own module: decode attention over a KV cache
-(:mod:`utils.cpu_attention`, ``torch.ops.workbook.decode_attention``) and weight-only int8/int4 matrix products
-for decode's few rows (:mod:`utils.cpu_quant`, ``torch.ops.workbook.int8_linear`` and ``int4_linear``). Each
-source registers its operators with PyTorch, so eager code and a compiled step (``torch.compile`` or an
+Three concepts use them: decode attention over a KV cache (:mod:`utils.cpu_attention`,
+``torch.ops.workbook.decode_attention``), matrix products for decode's few rows (:mod:`utils.cpu_linear` and
+:mod:`utils.cpu_quant`, ``float_linear``, ``int8_linear``, ``int4_linear``) and a decode step's greedy pick
+(:func:`utils.fast.greedy_pick`, ``greedy_argmax``). Each source registers its operators with PyTorch, so eager code and a compiled step (``torch.compile`` or an
 AOTInductor package) call the same functions and make the same tokens.
 
 :func:`load` compiles the sources once per machine with the C++ compiler inductor uses (20–40 s on 2 cores), keeps
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "decode_linear.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "decode_linear.cpp", "decode_pick.cpp"))
 
 
 def extension_dir() -> Path:
@@ -93,13 +93,19 @@ def _like_tiles_rows(x: Tensor, tiles: Tensor, n: int) -> Tensor:
     return x.new_empty(x.shape[0], n)
 
 
+def _like_rows(logits: Tensor) -> Tensor:
+    """greedy_argmax's output: one int64 index per row of ``logits [B, V]``."""
+    return logits.new_empty(logits.shape[0], dtype=torch.long)
+
+
 def _like_q(q: Tensor, *_: object) -> Tensor:
     """decode_attention's output: shaped and typed like its query."""
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 SHAPE_RULES = {"workbook::decode_attention": _like_q, "workbook::int8_linear": _like_x_rows,
-               "workbook::int4_linear": _like_x_rows, "workbook::float_linear": _like_x_rows, "workbook::bf16_tiles_linear": _like_tiles_rows}
+               "workbook::int4_linear": _like_x_rows, "workbook::float_linear": _like_x_rows,
+               "workbook::bf16_tiles_linear": _like_tiles_rows, "workbook::greedy_argmax": _like_rows}
 """Each operator's output for tracing (``torch.library.register_fake``): what a compiled step plans around."""
 
 
