@@ -353,6 +353,24 @@ def test_layer_groups_make_the_eager_tokens_and_bind_each_models_own_weights(mod
 
 
 @pytest.mark.skipif(not quant.kernel_here(torch.device("cpu")) == "workbook", reason="the workbook's kernels are not built")
+def test_a_loaded_package_leaves_nothing_in_the_temp_dir(model, tmp_path, monkeypatch):
+    """The loader unpacks a package into the temp dir and removes that folder only when it is destroyed (never, in
+    a kernel killed at exit): load_package has it unpack into a folder of its own, gone once loaded, and the step
+    still makes its tokens."""
+    monkeypatch.setenv("WORKBOOK_STEP_CACHE", str(tmp_path / "steps"))
+    monkeypatch.setattr(fast, "LAYER_GROUP", 1)
+    own = quant.quantized_copy(model, 4, 8, dtype=torch.float32)
+    fast.FastDecoder.build(own, 64, compiled=True).generate(IDS, 2)  # the packages, built by its first call
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))  # where the loader's C++ unpacks, unless told otherwise
+    again = fast.FastDecoder.build(own, 64, compiled=True)
+    assert torch.equal(again.generate(IDS, 16), engine.generate(own, IDS, 16))  # its first call loads the packages
+    assert again.step.source == "loaded" and os.environ["TMPDIR"] == str(temp)  # loaded, and TMPDIR given back
+    assert list(temp.iterdir()) == []
+
+
+@pytest.mark.skipif(not quant.kernel_here(torch.device("cpu")) == "workbook", reason="the workbook's kernels are not built")
 def test_a_bf16_step_on_the_workbook_kernels_is_built_by_layer_groups_and_makes_its_eager_tokens(model, tmp_path,
                                                                                                  monkeypatch):
     """Float projections on the workbook's kernel (utils.cpu_linear: AMX tiles where the CPU has them, else rows)

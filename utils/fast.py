@@ -43,6 +43,7 @@ import functools
 import hashlib
 import inspect
 import os
+import tempfile
 import time
 import warnings
 from contextlib import contextmanager
@@ -327,9 +328,23 @@ def torch_notice_hidden() -> Iterator[None]:
 
 
 def load_package(path: Path) -> Any:
-    """The AOTInductor package at ``path``, loaded (``torch._inductor.aoti_load_package``)."""
-    with torch_notice_hidden():
-        return torch._inductor.aoti_load_package(str(path))
+    """The AOTInductor package at ``path``, loaded (``torch._inductor.aoti_load_package``).
+
+    The loader unpacks the package into a folder of the temp dir (``aotinductor_XXXXXX``) and removes it only
+    when the loader is destroyed, which a kernel killed at exit never does: every lab run left one (~130 of
+    them on a machine after a week). The folder is needed only while loading (the library is mapped by then),
+    so it is made inside a folder of our own that goes as soon as the package is loaded."""
+    tempfile.gettempdir()  # Python's own temp dir settled first, so that it never becomes the folder below
+    with tempfile.TemporaryDirectory(prefix="workbook-package-") as unpack, torch_notice_hidden():
+        before = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = unpack  # where the loader's C++ (std::filesystem::temp_directory_path) unpacks
+        try:
+            return torch._inductor.aoti_load_package(str(path))
+        finally:
+            if before is None:
+                del os.environ["TMPDIR"]
+            else:
+                os.environ["TMPDIR"] = before
 
 
 @contextmanager
