@@ -519,8 +519,9 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w) {
   const Output out = new_output(x, N, y_buffer);
   const float* xp = float_rows(x, x_buffer);
   float* yp = out.values;
-  auto rows = [&](const auto* wp, auto R) {
+  auto rows = [&](const auto* wp, auto R, bool ahead = false) {  // ahead: the rows 2 KiB on asked for first
     for_each_row<R.value>(M, N, [&](int64_t n, int64_t m0, int64_t mr, auto r) {
+      if (ahead) prefetch_l2(wp + n * K, r.value * K * static_cast<int64_t>(sizeof *wp));
       dispatch_rows(mr, [&](auto MR) { float_block<MR.value, r.value>(xp + m0 * K, K, wp + n * K, yp + m0 * N + n, N); });
     });
   };
@@ -531,15 +532,10 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w) {
     // 36.2-45.1 tok/s -> 47.0-49.0 (projections alone 22.0-24.6 -> 28.2-30.6 GB/s, one round 18.5); on its
     // AVX2 build 37.7-37.9 -> 50.0-53.3; same tokens. On a 2-core Xeon the four rows without it were fastest.
     static const bool one_row_ahead = __builtin_cpu_is("amd");
-    if (one_row_ahead) {
-      const float* wp = w.data_ptr<float>();
-      for_each_row(M, N, [&](int64_t n, int64_t m0, int64_t mr, auto) {
-        prefetch_l2(wp + n * K, K * 4);
-        dispatch_rows(mr, [&](auto MR) { float_block<MR.value, 1>(xp + m0 * K, K, wp + n * K, yp + m0 * N + n, N); });
-      });
-      return finish(out);
-    }
-    rows(w.data_ptr<float>(), std::integral_constant<int, kFloatWeightRows>{});
+    if (one_row_ahead)
+      rows(w.data_ptr<float>(), std::integral_constant<int, 1>{}, true);
+    else
+      rows(w.data_ptr<float>(), std::integral_constant<int, kFloatWeightRows>{});
     return finish(out);
   }
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
