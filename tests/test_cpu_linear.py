@@ -91,3 +91,46 @@ def test_no_float_module_where_the_kernels_are_off(monkeypatch):
     model = Llama.from_hf(tiny_hf())
     monkeypatch.setenv("WORKBOOK_CPU_QUANT", "0")
     assert cpu_linear.on_workbook_kernels(model) is model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parts, threads", [(2, 2), (2, 1), (3, 2), (4, 2)])  # as many parts as threads, or not
+def test_the_rows_kernel_reads_a_weight_laid_out_by_thread_and_makes_the_same_sums(dtype, parts, threads):
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(24 * parts, 100, generator=g).to(dtype)
+    buffer = torch.zeros(parts, 24 * 100 + 37, dtype=dtype)  # each part in a row of its own, with others' rows after
+    laid_out = buffer[:, 5:5 + 24 * 100].view(parts, 24, 100)
+    laid_out.copy_(w.view(parts, 24, 100))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 3, 6):
+            x = torch.randn(rows, 100, generator=g).to(dtype)
+            assert torch.equal(cpu_linear.float_linear(x, laid_out), cpu_linear.float_linear(x, w))
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        torch.ops.workbook.float_linear(torch.zeros(1, 100, dtype=dtype), w.t().contiguous().t())
+
+
+def test_packing_by_thread_puts_each_threads_rows_of_every_projection_back_to_back():
+    model = Llama.from_hf(tiny_hf()).to(torch.bfloat16)
+    own = cpu_linear.on_workbook_kernels(model)
+    if AMX:
+        pytest.skip("bf16 goes through the tiles here")
+    linears = [m for _, m in iter_linears(own)]
+    assert all(m.parts is not None for m in linears)  # 2 threads split every tiny projection evenly
+    again = cpu_linear.on_workbook_kernels(model)
+    assert cpu_linear.pack_by_thread(again, threads=3) == sum(m.out_features % 3 == 0 for m in linears)
+    for threads, mods in ((torch.get_num_threads(), linears), (3, [m for _, m in iter_linears(again)])):
+        laid = [m for m in mods if m.parts is not None]
+        assert len({m.parts.untyped_storage().data_ptr() for m in laid}) == 1  # one buffer
+        for m, after in zip(laid, laid[1:]):
+            assert torch.equal(m.parts.reshape(m.weight.shape), m.weight)
+            assert m.parts.shape[0] == threads and m.parts.stride(0) == laid[0].parts.stride(0)
+            assert after.parts.storage_offset() == m.parts.storage_offset() + m.parts[0].numel()  # back to back
+    x = torch.randn(1, 1, own.args.hidden_size, dtype=torch.bfloat16)
+    head = own.lm_head
+    assert torch.equal(head(x), cpu_linear.float_linear(x, head.weight))
+    head.parts.zero_()  # decode reads the laid-out copy, prefill the weight
+    assert not head(x).any() and torch.equal(head(x.expand(1, 9, -1)), F.linear(x.expand(1, 9, -1), head.weight))

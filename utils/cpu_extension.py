@@ -84,8 +84,9 @@ def build(path: Path) -> bool:
 
 
 def _like_x_rows(x: Tensor, weight: Tensor, *_: object) -> Tensor:
-    """The shape of ``x [M, K] @ W.T`` for a weight of ``N`` rows, in x's dtype (the ``*_linear`` operators')."""
-    return x.new_empty(x.shape[0], weight.shape[0])
+    """The shape of ``x [M, K] @ W.T`` for a weight of ``N`` rows (``[N, K]``, or ``[P, N / P, K]`` laid out by
+    thread), in x's dtype (the ``*_linear`` operators')."""
+    return x.new_empty(x.shape[0], weight.shape[:-1].numel())
 
 
 def _like_tiles_rows(x: Tensor, tiles: Tensor, n: int) -> Tensor:

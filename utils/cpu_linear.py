@@ -12,7 +12,8 @@ A bf16 weight becomes float32 by a shift (exact) and every product is summed in 
 from ``x @ W.T`` in float32 only by summation order; in x's dtype it is rounded once, at the end. On a CPU with AMX
 (:func:`tiles_here`) a bf16 projection keeps a second copy of its weight in the tile unit's order
 (:func:`bf16_tiles`), made once when the module is built, and its bf16 rows go through the tile unit
-(:func:`bf16_tiles_linear`): products exact, summed in float32 by the tile unit.
+(:func:`bf16_tiles_linear`): products exact, summed in float32 by the tile unit. Elsewhere the weights are read
+from a second copy laid out by thread (:func:`pack_by_thread`), so that each thread streams one region per step.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ once per four rows."""
 
 
 def float_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """``x @ weight.T`` for ``x [..., K]`` (float32, bf16 or fp16) and a contiguous float32 or bf16 ``weight [N, K]``;
-    ``[..., N]`` in x's dtype, summed in float32."""
+    """``x @ weight.T`` for ``x [..., K]`` (float32, bf16 or fp16) and a contiguous float32 or bf16 ``weight [N, K]``
+    (or the same weight laid out by thread, ``[P, N / P, K]``: :func:`pack_by_thread`); ``[..., N]`` in x's dtype,
+    summed in float32."""
     y = torch.ops.workbook.float_linear(x.reshape(-1, x.shape[-1]), weight)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def tiles_here() -> bool:
@@ -83,6 +85,7 @@ class FloatLinear(nn.Module):
         self.path = "tiles" if fits and tiles_here() else "rows"
         if self.path == "tiles":
             self.register_buffer("tiles", bf16_tiles(self.weight.detach()), persistent=False)
+        self.register_buffer("parts", None, persistent=False)  # the weight laid out by thread (pack_by_thread)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
         if x.numel() > MAX_ROWS * x.shape[-1]:
@@ -90,14 +93,41 @@ class FloatLinear(nn.Module):
         if self.path == "tiles" and x.dtype == torch.bfloat16:
             y = bf16_tiles_linear(x, self.tiles, self.out_features)
         else:
-            y = float_linear(x, self.weight)
+            y = float_linear(x, self.weight if self.parts is None else self.parts)
         return y if self.bias is None else y + self.bias
+
+
+def pack_by_thread(model: Llama, threads: int | None = None) -> int:
+    """Give each "rows" :class:`FloatLinear` of ``model`` a second copy of its weight (``parts``, not weight bytes:
+    decode reads one or the other), laid out by thread: per dtype one buffer ``[threads, per_thread]``, in which
+    thread t's share of every projection's rows (rows ``t * N / threads ..``, the share the kernel gives it) follows
+    its share of the projection before, in the order a step calls them. Each thread then streams one region through
+    a step, as the bandwidth probe does, instead of ~120 short ones. ``threads``: the decode threads (default
+    torch's); a projection whose rows do not split evenly is read from its weight. Returns how many were laid out."""
+    threads = threads or torch.get_num_threads()
+    done = 0
+    for _, m in iter_linears(model):
+        if isinstance(m, FloatLinear):
+            m.parts = None  # laid out again below, or read from its weight
+    for dtype in (torch.float32, torch.bfloat16):
+        chosen = [m for _, m in iter_linears(model) if isinstance(m, FloatLinear) and m.path == "rows"
+                  and m.weight.dtype == dtype and m.out_features % threads == 0]
+        per_thread = sum(m.weight.numel() // threads for m in chosen)
+        buffer, at = torch.empty(threads * per_thread, dtype=dtype), 0
+        for m in chosen:
+            n, k = m.weight.shape
+            parts = buffer.as_strided((threads, n // threads, k), (per_thread, k, 1), at)  # [threads, N / threads, K]
+            m.parts = parts.copy_(m.weight.detach().view(threads, n // threads, k))
+            at += n // threads * k
+        done += len(chosen)
+    return done
 
 
 def on_workbook_kernels(model: Llama) -> Llama:
     """``model`` with every float32 or bf16 ``nn.Linear`` projection a :class:`FloatLinear`: a new module tree that
-    shares ``model``'s tensors (no weight is copied; a tied LM head stays tied). ``model`` itself where there is none
-    to replace, or where the kernels do not run (not a CPU, not built, ``$WORKBOOK_CPU_QUANT=0``)."""
+    shares ``model``'s tensors (its weights are not replaced; a tied LM head stays tied), with the decode weights
+    laid out by thread (:func:`pack_by_thread`: a second copy, the weights' size again in memory). ``model`` itself
+    where there is none to replace, or where the kernels do not run (not a CPU, not built, ``$WORKBOOK_CPU_QUANT=0``)."""
     plain = [name for name, m in iter_linears(model) if type(m) is nn.Linear
              and m.weight.dtype in (torch.float32, torch.bfloat16)]
     if not plain or model.device.type != "cpu" or not cpu_quant.available():
@@ -107,4 +137,5 @@ def on_workbook_kernels(model: Llama) -> Llama:
     linears = dict(iter_linears(new))
     for name in plain:
         replace_linear(new, name, FloatLinear(linears[name]))
+    pack_by_thread(new)
     return new

@@ -1,6 +1,6 @@
 // Matrix products for decode's few rows on a CPU, y = x W^T: float32 or bf16 weights, and weight-only int8 and int4.
 //
-// float_linear(x [M, K], w float32 or bf16 [N, K]) -> [M, N] in x's dtype.
+// float_linear(x [M, K], w float32 or bf16 [N, K], or [P, N / P, K] laid out by thread) -> [M, N] in x's dtype.
 // int8_linear(x [M, K], q int8 [N, K], scale float32 [N]) -> [M, N] in x's dtype: W = q * scale (per row).
 // int4_linear(x [M, K], packed uint8 [N, K / 2], dm float16 [N, K / g, 2], g) -> [M, N] in x's dtype:
 //   W[n, k] = q * d + m, (d, m) = dm[n, k / g]; q in [0, 15]. Each block of 32 weights k0 .. k0 + 31 of a row is
@@ -433,10 +433,12 @@ void bf16_row(const float* xp, int64_t K, const uint16_t* w, float* y, int64_t N
 
 // Calls row(n, m0, mr, R) for every block of R output rows from n (R a compile-time constant: the thread's last
 // rows come one at a time) and every block of up to kMaxRows rows of x from m0 (mr of them); output rows split
-// across threads. R > 1 lets a kernel load each x vector once for R weight rows.
+// across threads. R > 1 lets a kernel load each x vector once for R weight rows. With parts > 1 the N rows are
+// that many equal parts (a weight laid out by thread, see float_linear) and the threads split the parts, not the
+// rows: with as many parts as threads, thread t takes part t, and no block of R rows crosses a part's end.
 template <int R = 1, typename Row>
-void for_each_row(int64_t M, int64_t N, const Row& row) {
-  at::parallel_for(0, N, kGrain, [&](int64_t first, int64_t last) {
+void for_each_row(int64_t M, int64_t N, const Row& row, int64_t parts = 1) {
+  auto rows = [&](int64_t first, int64_t last) {
     for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
       const int64_t mr = std::min(kMaxRows, M - m0);
       int64_t n = first;
@@ -444,6 +446,11 @@ void for_each_row(int64_t M, int64_t N, const Row& row) {
         for (; n + R <= last; n += R) row(n, m0, mr, std::integral_constant<int, R>{});
       for (; n < last; ++n) row(n, m0, mr, std::integral_constant<int, 1>{});
     }
+  };
+  if (parts == 1) return at::parallel_for(0, N, kGrain, rows);
+  const int64_t per_part = N / parts;
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) rows(p * per_part, (p + 1) * per_part);
   });
 }
 
@@ -511,19 +518,30 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return finish(out);
 }
 
+// w is [N, K] contiguous, or [P, N / P, K] with contiguous rows and any stride between its P parts: a weight laid
+// out by thread (utils/cpu_linear.py, pack_by_thread), each part a view into one buffer per thread that holds that
+// thread's rows of every projection back to back, so that each thread streams one region through a decode step
+// as the bandwidth probe does. Part p's row r is output row p * N / P + r; the sums are those of the [N, K] layout.
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
-              "float_linear: w must be a contiguous float32 or bf16 [N, K]");
-  check_x(x, w.size(1), "float_linear");
-  const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
+  const bool parted = w.dim() == 3 && w.stride(2) == 1 && w.stride(1) == w.size(2);
+  TORCH_CHECK((w.dim() == 2 && w.is_contiguous()) || parted,
+              "float_linear: w must be a contiguous [N, K] or [P, N / P, K] with contiguous rows, got ", w.sizes());
+  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16,
+              "float_linear: w must be float32 or bf16");
+  const int64_t K = w.size(-1), P = parted ? w.size(0) : 1, N = parted ? P * w.size(1) : w.size(0);
+  const int64_t part_rows = N / P, part_stride = parted ? w.stride(0) : N * K;
+  check_x(x, K, "float_linear");
+  const int64_t M = x.size(0);
   const Output out = new_output(x, N, y_buffer);
   const float* xp = float_rows(x, x_buffer);
   float* yp = out.values;
+  auto row_at = [&](const auto* wp, int64_t n) { return wp + n / part_rows * part_stride + n % part_rows * K; };
   auto rows = [&](const auto* wp, auto R, bool ahead = false) {  // ahead: the rows 2 KiB on asked for first
     for_each_row<R.value>(M, N, [&](int64_t n, int64_t m0, int64_t mr, auto r) {
-      if (ahead) prefetch_l2(wp + n * K, r.value * K * static_cast<int64_t>(sizeof *wp));
-      dispatch_rows(mr, [&](auto MR) { float_block<MR.value, r.value>(xp + m0 * K, K, wp + n * K, yp + m0 * N + n, N); });
-    });
+      const auto* wn = row_at(wp, n);
+      if (ahead) prefetch_l2(wn, r.value * K * static_cast<int64_t>(sizeof *wp));
+      dispatch_rows(mr, [&](auto MR) { float_block<MR.value, r.value>(xp + m0 * K, K, wn, yp + m0 * N + n, N); });
+    }, P);
   };
   if (w.scalar_type() == at::kFloat) {
     // On an AMD CPU one weight row at a time, the rows 2 KiB ahead asked for (prefetch_l2); elsewhere
@@ -542,8 +560,8 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w) {
 #ifdef WORKBOOK_SIMD
   const float* xq = pair_rows(xp, M, K, pair_buffer);
   for_each_row(M, N, [&](int64_t n, int64_t m0, int64_t mr, auto) {
-    dispatch_rows(mr, [&](auto MR) { bf16_row<MR.value>(xq + m0 * K, K, wp + n * K, yp + m0 * N + n, N); });
-  });
+    dispatch_rows(mr, [&](auto MR) { bf16_row<MR.value>(xq + m0 * K, K, row_at(wp, n), yp + m0 * N + n, N); });
+  }, P);
 #else
   rows(wp, std::integral_constant<int, 1>{});
 #endif
