@@ -399,13 +399,13 @@ const float* pair_rows(const float* x, int64_t M, int64_t K, std::vector<float>&
   return buffer.data();
 }
 
-// One bf16 weight row against MR rows of x (xp: x in pair order), as float_block: y[m * N]. The row 2 KiB ahead
-// is asked for first (prefetch_l2). Measured on a 2-core Xeon, SmolLM2's projections alone (30 layers cycled), in
+// One bf16 weight row against MR rows of x (xp: x in pair order), as float_block: y[m * N]. With ahead, the row
+// 2 KiB ahead is asked for first (prefetch_l2; not for a weight laid out by thread, see float_linear). Measured on a 2-core Xeon, SmolLM2's projections alone (30 layers cycled), in
 // turns with the widening loads of float_block: AVX2 build 9.6-10.6 -> 12.0-13.1 GB/s (four rounds), AVX-512 build
 // 11.3-12.0 -> 13.0-14.8 (three); two or four weight rows at a time, or no prefetch, were slower.
 template <int MR>
-void bf16_row(const float* xp, int64_t K, const uint16_t* w, float* y, int64_t N) {
-  prefetch_l2(w, 2 * K);
+void bf16_row(const float* xp, int64_t K, const uint16_t* w, float* y, int64_t N, bool ahead = true) {
+  if (ahead) prefetch_l2(w, 2 * K);
   constexpr int C = MR <= 2 ? 2 : 1;  // vector loads per pass: at least 4 independent sums per row of x
   Vec acc[MR][2 * C];
   for (int m = 0; m < MR; ++m)
@@ -522,6 +522,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 // out by thread (utils/cpu_linear.py, pack_by_thread), each part a view into one buffer per thread that holds that
 // thread's rows of every projection back to back, so that each thread streams one region through a decode step
 // as the bandwidth probe does. Part p's row r is output row p * N / P + r; the sums are those of the [N, K] layout.
+// A weight laid out by thread is read without asking for rows ahead (prefetch_l2): the CPU's own prefetcher follows
+// one long stream, and the requests only took its place. Measured on a 2-core AMD EPYC (AVX-512), SmolLM2's
+// projections alone, the four ways in turns in one process (40 rounds, medians, GB/s):
+//   bf16:    per projection, rows ahead 21.5 / 24.2 (two runs)  by thread, ahead 23.1 / 25.7  by thread, none 32.7 / 29.8
+//   float32: per projection, rows ahead 23.0                     by thread, ahead 24.3         by thread, none 26.0
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w) {
   const bool parted = w.dim() == 3 && w.stride(2) == 1 && w.stride(1) == w.size(2);
   TORCH_CHECK((w.dim() == 2 && w.is_contiguous()) || parted,
@@ -544,14 +549,14 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w) {
     }, P);
   };
   if (w.scalar_type() == at::kFloat) {
-    // On an AMD CPU one weight row at a time, the rows 2 KiB ahead asked for (prefetch_l2); elsewhere
+    // On an AMD CPU one weight row at a time, the rows 2 KiB ahead asked for unless laid out by thread; elsewhere
     // kFloatWeightRows rows, none asked for. Each row's sums run in the same order either way. Measured on a
     // 2-core AMD EPYC (AVX-512), SmolLM2's float32 compiled step at 128 tokens, 3 alternating processes each:
     // 36.2-45.1 tok/s -> 47.0-49.0 (projections alone 22.0-24.6 -> 28.2-30.6 GB/s, one round 18.5); on its
     // AVX2 build 37.7-37.9 -> 50.0-53.3; same tokens. On a 2-core Xeon the four rows without it were fastest.
     static const bool one_row_ahead = __builtin_cpu_is("amd");
     if (one_row_ahead)
-      rows(w.data_ptr<float>(), std::integral_constant<int, 1>{}, true);
+      rows(w.data_ptr<float>(), std::integral_constant<int, 1>{}, !parted);
     else
       rows(w.data_ptr<float>(), std::integral_constant<int, kFloatWeightRows>{});
     return finish(out);
@@ -560,7 +565,7 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w) {
 #ifdef WORKBOOK_SIMD
   const float* xq = pair_rows(xp, M, K, pair_buffer);
   for_each_row(M, N, [&](int64_t n, int64_t m0, int64_t mr, auto) {
-    dispatch_rows(mr, [&](auto MR) { bf16_row<MR.value>(xq + m0 * K, K, row_at(wp, n), yp + m0 * N + n, N); });
+    dispatch_rows(mr, [&](auto MR) { bf16_row<MR.value>(xq + m0 * K, K, row_at(wp, n), yp + m0 * N + n, N, !parted); });
   }, P);
 #else
   rows(wp, std::integral_constant<int, 1>{});
