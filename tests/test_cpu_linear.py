@@ -129,6 +129,7 @@ def test_packing_by_thread_puts_each_threads_rows_of_every_projection_back_to_ba
             assert torch.equal(m.parts.reshape(m.weight.shape), m.weight)
             assert m.parts.shape[0] == threads and m.parts.stride(0) == laid[0].parts.stride(0)
             assert after.parts.storage_offset() == m.parts.storage_offset() + m.parts[0].numel()  # back to back
+        assert laid[0].parts.data_ptr() % cpu_linear.HUGE_PAGE == 0  # on a 2 MiB page boundary
     x = torch.randn(1, 1, own.args.hidden_size, dtype=torch.bfloat16)
     head = own.lm_head
     assert torch.equal(head(x), cpu_linear.float_linear(x, head.weight))

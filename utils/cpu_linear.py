@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import mmap
 import os
 
 import torch
@@ -97,6 +98,24 @@ class FloatLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+HUGE_PAGE = 2 << 20
+
+
+def huge_page_buffer(numel: int, dtype: torch.dtype) -> Tensor:
+    """An empty 1-D tensor whose memory the OS is asked to back with 2 MiB pages (``MADV_HUGEPAGE``; Linux maps
+    ordinary allocations with 4 KiB pages unless a program asks): one page-table entry per 2 MiB instead of 512, so a
+    stream through the weights misses the TLB 512 times less often. A plain ``torch.empty`` where that cannot be
+    asked (not Linux)."""
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes == 0:
+        return torch.empty(numel, dtype=dtype)
+    memory = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: not shared memory
+    memory.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(memory, dtype=torch.uint8)  # keeps `memory` alive
+    start = -raw.data_ptr() % HUGE_PAGE  # the first 2 MiB boundary
+    return raw[start:start + nbytes].view(dtype)
+
+
 def pack_by_thread(model: Llama, threads: int | None = None) -> int:
     """Give each "rows" :class:`FloatLinear` of ``model`` a second copy of its weight (``parts``, not weight bytes:
     decode reads one or the other), laid out by thread: per dtype one buffer ``[threads, per_thread]``, in which
@@ -113,7 +132,8 @@ def pack_by_thread(model: Llama, threads: int | None = None) -> int:
         chosen = [m for _, m in iter_linears(model) if isinstance(m, FloatLinear) and m.path == "rows"
                   and m.weight.dtype == dtype and m.out_features % threads == 0]
         per_thread = sum(m.weight.numel() // threads for m in chosen)
-        buffer, at = torch.empty(threads * per_thread, dtype=dtype), 0
+        buffer = huge_page_buffer(threads * per_thread, dtype)
+        at = buffer.storage_offset()  # as_strided counts from the start of the memory
         for m in chosen:
             n, k = m.weight.shape
             parts = buffer.as_strided((threads, n // threads, k), (per_thread, k, 1), at)  # [threads, N / threads, K]
