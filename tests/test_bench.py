@@ -133,6 +133,8 @@ def test_the_layer_groups_are_timed_against_the_whole_step(capsys):
     assert "by layer groups, first call " in capsys.readouterr().out
     fall = bench.fall_in_turns(lm, forms[bench.QUICK_COMPILED], (16, 48), 8, repeats=2)
     assert 0 < fall["measured"] < 2 and fall["spread"] >= 0
+    share = bench.share_in_turns(lm, forms[bench.QUICK_COMPILED], 16, 8, 1e6, repeats=2)  # 1 MB a step: a tiny share
+    assert 0 < share["share"] < 1 and share["spread"] >= 0 and share["GBps"] > 0
     forms[bench.QUICK_COMPILED] = quant.quantized_copy(bench.Llama.from_hf(lm.model).float(), 4, 8, kernel="aten")
     assert bench.layered_comparison(lm, forms, 16, 8) == {}
 
@@ -148,3 +150,12 @@ def test_under_an_imitated_cpu_the_llama_cpp_row_says_it_is_not_imitated(capsys,
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     bench.print_rows_at(rows, 2e10, rows[0], "ok")
     assert "ATEN_CPU_CAPABILITY=avx2 imitates a plainer CPU" in capsys.readouterr().out
+
+
+def test_the_bf16_share_is_judged_in_turns_and_the_tables_share_is_printed_beside_it(capsys):
+    turns = {"share": 0.84, "spread": 0.05, "GBps": 31.2}
+    bench.print_targets({"kernel_GBps": {}, "rows": [], "targets": {"128": {
+        "bf16 share of ceiling": 0.84, "bf16 share (table)": 1.079, "bf16 share in turns": turns}}})
+    out = capsys.readouterr().out
+    assert "bf16 share of ceiling 0.84 (met, target 0.8)" in out
+    assert "timed in turns with the probe (31.2 GB/s there, spread 5%); against the run's first probe, as in the table: 1.079" in out

@@ -19,6 +19,13 @@ def test_measured_bandwidth_is_plausible(method):
     assert 1e8 < bw < 1e13  # 0.1 GB/s .. 10 TB/s
 
 
+def test_the_bandwidth_reader_reads_what_it_says():
+    read, nbytes = hw.bandwidth_reader("cpu", size_mb=4)
+    assert nbytes == 4 * 2**20 and read().item() == nbytes / 4  # a sum of ones: every float32 read once
+    copy, moved = hw.bandwidth_reader("cpu", size_mb=4, method="copy")
+    assert moved == 2 * nbytes and copy().sum().item() == nbytes / 4
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, "bf16"])
 def test_measured_matmul_flops_is_plausible(dtype):
     flops = hw.measure_matmul_flops("cpu", dtype=dtype, n=128, repeats=3)

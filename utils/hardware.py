@@ -69,6 +69,16 @@ def measure_bandwidth(device: str | torch.device | None = None, size_mb: float |
     default 256 MiB on CPU, 1 GiB on a GPU. Takes about a second on a laptop CPU.
     """
     dev = pick_device(device)
+    fn, bytes_per_call = bandwidth_reader(dev, size_mb, method)
+    return bytes_per_call / _median_seconds_per_call(fn, dev, repeats)
+
+
+def bandwidth_reader(device: str | torch.device | None = None, size_mb: float | None = None,
+                     method: str = "sum") -> tuple[Callable[[], Any], int]:
+    """What :func:`measure_bandwidth` times, to time it yourself (e.g. in turns with a decode step,
+    :func:`utils.timing.interleaved`): a call that reads (``"sum"``) or copies (``"copy"``) a fresh tensor of
+    ``size_mb`` MiB, and the bytes one call moves."""
+    dev = pick_device(device)
     if method not in ("sum", "copy"):
         raise WorkbookError(f"method must be 'sum' or 'copy', got {method!r}.")
     mib = check_number(size_mb if size_mb is not None else
@@ -76,11 +86,9 @@ def measure_bandwidth(device: str | torch.device | None = None, size_mb: float |
     n = max(1, int(mib * 2**20) // 4)
     src = torch.ones(n, dtype=torch.float32, device=dev)  # ones: every page touched
     if method == "sum":
-        fn, bytes_per_call = (lambda: src.sum()), n * 4
-    else:
-        dst = torch.empty_like(src)
-        fn, bytes_per_call = (lambda: dst.copy_(src)), 2 * n * 4
-    return bytes_per_call / _median_seconds_per_call(fn, dev, repeats)
+        return (lambda: src.sum()), n * 4
+    dst = torch.empty_like(src)
+    return (lambda: dst.copy_(src)), 2 * n * 4
 
 
 @dataclass(frozen=True)
