@@ -133,8 +133,15 @@ def test_the_layer_groups_are_timed_against_the_whole_step(capsys):
     assert "by layer groups, first call " in capsys.readouterr().out
     fall = bench.fall_in_turns(lm, forms[bench.QUICK_COMPILED], (16, 48), 8, repeats=2)
     assert 0 < fall["measured"] < 2 and fall["spread"] >= 0
-    share = bench.share_in_turns(lm, forms[bench.QUICK_COMPILED], 16, 8, 1e6, repeats=2)  # 1 MB a step: a tiny share
-    assert 0 < share["share"] < 1 and share["spread"] >= 0 and share["GBps"] > 0
+    step = bench.compiled_request(lm, forms[bench.QUICK_COMPILED], 16, 8)
+    share = bench.share_in_turns(lm, step, 1e6, repeats=2)  # 1 MB a step: a tiny share
+    assert 0 < share["measured"] < 1 and share["spread"] >= 0 and share["GBps"] > 0
+    ratio = bench.speed_ratio_in_turns(lm, step, (*bench.decode_request(lm.model, bench.filler_ids(lm.tokenizer, 16), 8), 8),
+                                       repeats=2)
+    assert ratio["measured"] > 1 and ratio["spread"] >= 0  # the compiled int4 step against transformers' float32 loop
+    row = {"context": 16, "name": "compiled step", "weights": "bfloat16", "bytes_per_token": 1e6, "tok_s": 1.0}
+    turns = bench.targets_in_turns(lm, {"bfloat16": forms[bench.QUICK_COMPILED]}, [row], 16, 8, with_llama_cpp=True)
+    assert set(turns) == {"bf16 share of ceiling", "bf16 over transformers bf16"}  # no llama.cpp row: no such target
     forms[bench.QUICK_COMPILED] = quant.quantized_copy(bench.Llama.from_hf(lm.model).float(), 4, 8, kernel="aten")
     assert bench.layered_comparison(lm, forms, 16, 8) == {}
 
@@ -152,10 +159,13 @@ def test_under_an_imitated_cpu_the_llama_cpp_row_says_it_is_not_imitated(capsys,
     assert "ATEN_CPU_CAPABILITY=avx2 imitates a plainer CPU" in capsys.readouterr().out
 
 
-def test_the_bf16_share_is_judged_in_turns_and_the_tables_share_is_printed_beside_it(capsys):
-    turns = {"share": 0.84, "spread": 0.05, "GBps": 31.2}
+def test_the_ratio_targets_are_judged_in_turns_and_the_tables_ratios_are_printed_beside_them(capsys):
+    turns = {"bf16 share of ceiling": {"measured": 0.84, "spread": 0.05, "GBps": 31.2},
+             "quantized over llama.cpp": {"measured": 1.19, "spread": 0.04, "weights": "int8"}}
     bench.print_targets({"kernel_GBps": {}, "rows": [], "targets": {"128": {
-        "bf16 share of ceiling": 0.84, "bf16 share (table)": 1.079, "bf16 share in turns": turns}}})
+        "bf16 share of ceiling": 0.84, "bf16 share of ceiling (tables)": 1.079, "quantized over llama.cpp": 1.19,
+        "quantized over llama.cpp (tables)": 1.38, "in_turns": turns}}})
     out = capsys.readouterr().out
-    assert "bf16 share of ceiling 0.84 (met, target 0.8)" in out
-    assert "timed in turns with the probe (31.2 GB/s there, spread 5%); against the run's first probe, as in the table: 1.079" in out
+    assert "bf16 share of ceiling 0.84 (met, target 0.8)" in out and "quantized over llama.cpp 1.19 (not met" in out
+    assert "bf16 share of ceiling 0.84 timed in turns (spread 5%, the probe reading 31.2 GB/s); from the tables: 1.079" in out
+    assert "quantized over llama.cpp 1.19 timed in turns (spread 4%); from the tables: 1.38" in out

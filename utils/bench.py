@@ -22,7 +22,8 @@ agreement, compile seconds. On a CPU every compiled row's projections call the w
 layer groups in seconds; the full run also builds the int4, bf16 and float32 steps whole (float: inductor's
 pre-packed GEMMs) and times both ways in turns (:func:`layered_comparison`), and times each compiled step at the
 shortest and the longest context in turns, for its fall against its bytes (:func:`fall_in_turns`), and the compiled
-bf16 step in turns with the bandwidth probe, for its share of the ceiling (:func:`share_in_turns`). ``--quick`` (CI):
+bf16 step in turns with the bandwidth probe and with transformers bf16, and the best quantized step in turns with
+llama.cpp, for the targets (:func:`targets_in_turns`). ``--quick`` (CI):
 bf16 eager rows and the compiled int4 row only.
 ``--server URL`` adds a row for any OpenAI-compatible server, timed from outside one request at a time
 (:mod:`utils.openai_client`); ``--server llama.cpp`` starts llama.cpp's own server here on the embedded
@@ -41,13 +42,13 @@ import copy
 import json
 import os
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from . import cpu_linear, decode_table, fast, llama, llama_server, peer, quant
 from .decide import MIN_SPREAD, ratio_spread
-from .engine import decode_speed, generate, measure_prefill
+from .engine import decode_request, decode_speed, generate, measure_prefill
 from .hardware import bandwidth_reader, describe_machine, measure_matmul_flops, probe_bandwidth
 from .llama import Llama
 from .models import EMBEDDED, LoadedModel, load_model
@@ -256,27 +257,67 @@ def fall_in_turns(lm: LoadedModel, model: Llama, contexts: tuple[int, int], new_
     return {"measured": short.median / long.median, "spread": ratio_spread(short, long)}
 
 
-def share_in_turns(lm: LoadedModel, model: Llama, context: int, new_tokens: int, bytes_per_token: float,
-                   repeats: int = 7) -> dict[str, float]:
-    """``model``'s compiled step at ``context`` and the bandwidth probe's read, timed in turns: ``{"share": the
-    step's bytes per second over the probe's (medians), "spread": that ratio's, "GBps": the probe's median}``.
+Timed = tuple[Callable[[], Any], Callable[[Any], Any], int]
+"""A decode to time in turns: ``(setup, run, tokens)``: ``run(setup())`` makes ``tokens`` tokens (setup untimed)."""
 
-    Why: the table's shares use a probe taken once, minutes before the row, and on a shared machine its reading
-    moves more than the rows do (one run on a 2-core EPYC VM: 25.5 GB/s, against which the compiled bf16 step read
-    108%; probes between rows of other runs: 30-55 GB/s). Timed in turns, a slow or quick spell meets both alike.
-    ``model`` may be on the workbook's kernels already (it is then used as it is); its package was built by its row.
-    """
+
+def compiled_request(lm: LoadedModel, model: Llama, context: int, new_tokens: int) -> Timed:
+    """``model``'s compiled step at ``context`` (on the workbook's kernels, as its row runs; its package was built
+    by the row: loaded here), warmed up, as a :data:`Timed` decode of ``new_tokens``."""
     model = cpu_linear.on_workbook_kernels(model)  # no copy where it is converted already
     ids = filler_ids(lm.tokenizer, context, lm.device)
     decoder = fast.FastDecoder.build(model, fast.static_length(context, new_tokens), compiled=True)
     decoder.warm_up(ids)
+    return (lambda: decoder.prefill(ids)), (lambda start: decoder.decode(start, new_tokens)), new_tokens
+
+
+def speed_ratio_in_turns(lm: LoadedModel, ours: Timed, theirs: Timed, repeats: int = 7) -> dict[str, float]:
+    """``ours``' tok/s over ``theirs``', the two decoded in turns: ``{"measured", "spread"}`` (the ratio's)."""
+    times = interleaved({"ours": ours[1], "theirs": theirs[1]}, setup={"ours": ours[0], "theirs": theirs[0]},
+                        repeats=repeats, device=lm.device, progress=False)
+    ratio = (ours[2] / times["ours"].median) / (theirs[2] / times["theirs"].median)
+    return {"measured": round(ratio, 3), "spread": round(ratio_spread(times["ours"], times["theirs"]), 3)}
+
+
+def share_in_turns(lm: LoadedModel, ours: Timed, bytes_per_token: float, repeats: int = 7) -> dict[str, float]:
+    """A decode's share of the ceiling, the bandwidth probe's read timed in turns with it: ``{"measured": its
+    bytes per second over the probe's (medians), "spread", "GBps": the probe's median}``."""
     read, probe_bytes = bandwidth_reader(lm.device)
-    times = interleaved({"step": lambda start: decoder.decode(start, new_tokens), "probe": read},
-                        setup={"step": lambda: decoder.prefill(ids)}, repeats=repeats, device=lm.device, progress=False)
-    step_bytes_s = new_tokens * bytes_per_token / times["step"].median
-    probe_bytes_s = probe_bytes / times["probe"].median
-    return {"share": round(step_bytes_s / probe_bytes_s, 3), "spread": round(ratio_spread(times["step"], times["probe"]), 3),
+    times = interleaved({"step": ours[1], "probe": read}, setup={"step": ours[0]}, repeats=repeats,
+                        device=lm.device, progress=False)
+    step_bytes_s, probe_bytes_s = ours[2] * bytes_per_token / times["step"].median, probe_bytes / times["probe"].median
+    return {"measured": round(step_bytes_s / probe_bytes_s, 3), "spread": round(ratio_spread(*times.values()), 3),
             "GBps": round(probe_bytes_s / 1e9, 2)}
+
+
+def targets_in_turns(lm: LoadedModel, step_forms: dict[str, Llama], rows: list[dict[str, Any]], context: int,
+                     new_tokens: int, with_llama_cpp: bool) -> dict[str, dict[str, float]]:
+    """The ratio targets at ``context``, each timed in turns (the bf16 step against the probe and against
+    transformers bf16, the best quantized step against llama.cpp): ``{target: {"measured", "spread", ...}}``.
+
+    Why: the table's rows are timed minutes apart, and on a shared machine the probe and the rows move more than
+    that (one full run on a 2-core EPYC VM: a probe of 25.5 GB/s at its start, against which the compiled bf16 row
+    read 108%; probes in other runs 30-55 GB/s; llama.cpp's row 103-122 tok/s). In turns a slow or quick spell
+    meets both sides alike."""
+    at = {(r["name"], r["weights"]): r for r in rows if r["context"] == context}
+    ids = filler_ids(lm.tokenizer, context, lm.device)
+    out: dict[str, dict[str, float]] = {}
+    if ("compiled step", "bfloat16") in at:
+        bf16 = compiled_request(lm, step_forms["bfloat16"], context, new_tokens)
+        out["bf16 share of ceiling"] = share_in_turns(lm, bf16, at["compiled step", "bfloat16"]["bytes_per_token"])
+        hf_bf16 = lm.model if lm.dtype == torch.bfloat16 else copy.deepcopy(lm.model).to(torch.bfloat16)
+        out["bf16 over transformers bf16"] = speed_ratio_in_turns(lm, bf16, (*decode_request(hf_bf16, ids, new_tokens), new_tokens))
+    quantized = [r for r in rows if r["context"] == context and r["name"] == "compiled step" and r["weights"].startswith("int")]
+    best = max(quantized, key=lambda r: r["tok_s"], default=None)
+    if best and with_llama_cpp and any(name.startswith("llama.cpp") for name, _ in at):  # its row ran: it is installed
+        peer_request = peer.LlamaCppRequest(ids[0].tolist(), new_tokens)
+        try:
+            theirs = (peer_request.prefill, peer_request.decode, new_tokens - 1)
+            out["quantized over llama.cpp"] = {**speed_ratio_in_turns(
+                lm, compiled_request(lm, step_forms[best["weights"]], context, new_tokens), theirs), "weights": best["weights"]}
+        finally:
+            peer_request.close()
+    return out
 
 
 def context_drops(rows: list[dict[str, Any]], in_turns: dict[str, dict[str, float]] | None = None
@@ -312,8 +353,7 @@ def targets_at(rows: list[decode_table.Row], bandwidth: float) -> dict[str, Any]
     best_q = max(quantized, key=lambda r: r.tok_s, default=None)
     peer_row = next((r for r in rows if r.name.startswith("llama.cpp")), None)
     return {
-        "bf16 share of ceiling": compiled_bf16 and round(compiled_bf16.share(bandwidth), 3),  # in turns, where timed
-        "bf16 share (table)": compiled_bf16 and round(compiled_bf16.share(bandwidth), 3),
+        "bf16 share of ceiling": compiled_bf16 and round(compiled_bf16.share(bandwidth), 3),
         "bf16 over transformers bf16": compiled_bf16 and hf_bf16 and round(compiled_bf16.tok_s / hf_bf16.tok_s, 2),
         "bf16 tokens": compiled_bf16 and compiled_bf16.agree,
         "quantized over llama.cpp": best_q and peer_row and round(best_q.tok_s / peer_row.tok_s, 2),
@@ -358,10 +398,11 @@ def run_fast_path(lm: LoadedModel, contexts: list[int], new_tokens: int, repeats
     in_turns = {} if quick or len(contexts) < 2 else {  # every compiled row of the full run
         w: fall_in_turns(lm, m, (contexts[0], contexts[-1]), new_tokens) for w, m in step_forms.items()}
     out["context_drops"] = context_drops(out["rows"], in_turns)
-    for context in contexts if "bfloat16" in step_forms else []:  # the share target, judged against a probe in turns
-        row = next(r for r in out["rows"] if r["context"] == context and (r["name"], r["weights"]) == ("compiled step", "bfloat16"))
-        turns = share_in_turns(lm, step_forms["bfloat16"], context, new_tokens, row["bytes_per_token"])
-        out["targets"][str(context)].update({"bf16 share of ceiling": turns["share"], "bf16 share in turns": turns})
+    for context in [] if quick else contexts:  # the full run judges the ratio targets timed in turns
+        turns = targets_in_turns(lm, step_forms, out["rows"], context, new_tokens, with_llama_cpp)
+        got = out["targets"][str(context)]
+        got.update({f"{name} (tables)": got[name] for name in turns})
+        got.update({name: t["measured"] for name, t in turns.items()}, in_turns=turns)
     return out
 
 
@@ -436,9 +477,10 @@ def print_targets(fp: dict[str, Any]) -> None:
             v = got.get(name)
             parts.append(f"{name} {'n/a' if v is None else v} ({'no row' if v is None else 'met' if v >= floor else 'not met'}, target {floor})")
         print(f"targets @{context:>5}  " + "; ".join(parts))
-        if turns := got.get("bf16 share in turns"):
-            print(f"targets @{context:>5}  bf16 share timed in turns with the probe ({turns['GBps']} GB/s there, spread "
-                  f"{turns['spread']:.0%}); against the run's first probe, as in the table: {got['bf16 share (table)']}")
+        for name, t in got.get("in_turns", {}).items():
+            probe = f", the probe reading {t['GBps']} GB/s" if "GBps" in t else ""
+            print(f"targets @{context:>5}  {name} {t['measured']} timed in turns (spread {t['spread']:.0%}{probe}); "
+                  f"from the tables: {got.get(name + ' (tables)')}")
     for d in fp.get("context_drops", []):
         (short, long), ok = d["contexts"], "met" if d["met"] else "not met"
         how = f" timed in turns ({d['from_rows']:.2f} from the two tables)" if d.get("in_turns") else ""

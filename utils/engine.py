@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -362,6 +362,17 @@ def decode_speed(model: Any, ids: Tensor, n_tokens: int = 32, *, repeats: int = 
     The one decode-speed function: tokens = ``n_tokens x B`` (every row makes one per
     step); a fresh prefill before each repeat, so every repeat decodes the same context.
     """
+    setup, run = decode_request(model, ids, n_tokens, static=static)
+    timing = measure(run, setup=setup, warmup=warmup, repeats=repeats, device=device_of(model),
+                     desc=f"decode {n_tokens}")
+    return PhaseResult("decode", n_tokens * _as_batch(ids).shape[0], timing)
+
+
+def decode_request(model: Any, ids: Tensor, n_tokens: int, *, static: bool = False
+                   ) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """What :func:`decode_speed` times, as ``(setup, run)`` for :func:`utils.timing.measure` or
+    :func:`utils.timing.interleaved`: ``setup()`` prefills ``ids`` into a fresh cache (untimed), ``run(setup())``
+    makes ``n_tokens`` greedy decode steps."""
     check_token_count(n_tokens, "n_tokens")
     ids = _as_batch(ids)
     B, T = ids.shape
@@ -375,9 +386,7 @@ def decode_speed(model: Any, ids: Tensor, n_tokens: int = 32, *, repeats: int = 
         for _ in decode_steps(model, arg[0], arg[1], n_tokens):
             pass
 
-    timing = measure(run, setup=setup, warmup=warmup, repeats=repeats, device=device_of(model),
-                     desc=f"decode {n_tokens}")
-    return PhaseResult("decode", n_tokens * B, timing)
+    return setup, run
 
 
 def measure_decode(lm: LoadedModel, n_tokens: int = 32, *, prompt_tokens: int = 32, repeats: int = 3,

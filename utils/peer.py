@@ -118,37 +118,59 @@ class PeerResult:
     text: str = ""  # the tokens as llama.cpp detokenizes them (what its server would stream)
 
 
+class LlamaCppRequest:
+    """llama.cpp loaded on a GGUF file (default: the embedded one) for one prompt: :meth:`prefill` evaluates the
+    prompt on a reset context and returns the first greedy token, :meth:`decode` makes the ``new_tokens - 1``
+    after it, one evaluation each; the pair is what :func:`llama_cpp_speed` times (and
+    :func:`utils.timing.interleaved` can time in turns with another engine). :meth:`close` frees it."""
+
+    def __init__(self, prompt_ids: Sequence[int], new_tokens: int, threads: int | None = None,
+                 gguf: Path | None = None) -> None:
+        from llama_cpp import Llama as LlamaCpp  # optional dependency: imported only when used
+
+        self.path, self.prompt, self.new_tokens = gguf or embedded_gguf(), list(prompt_ids), new_tokens
+        self.threads = threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or (os.cpu_count() or 1)
+        self.llm = LlamaCpp(model_path=str(self.path), n_ctx=len(self.prompt) + new_tokens + 8, n_batch=512,
+                            n_threads=self.threads, n_threads_batch=self.threads, verbose=False, seed=0)
+
+    def prefill(self) -> int:
+        self.llm.reset()
+        self.llm.eval(self.prompt)
+        return _greedy(self.llm)
+
+    def decode(self, first: int) -> list[int]:
+        tokens = [first]
+        for _ in range(self.new_tokens - 1):
+            self.llm.eval([tokens[-1]])
+            tokens.append(_greedy(self.llm))
+        return tokens
+
+    def close(self) -> None:
+        self.llm.close()
+
+
 def llama_cpp_speed(prompt_ids: Sequence[int], new_tokens: int, *, repeats: int = 3, threads: int | None = None,
                     gguf: Path | None = None) -> PeerResult:
     """Prefill ``prompt_ids`` then decode ``new_tokens`` greedy tokens with llama.cpp, timed.
 
     One untimed warm-up, then ``repeats`` timed runs on a reset context; the medians.
     """
-    from llama_cpp import Llama as LlamaCpp  # optional dependency: imported only when used
-
-    path = gguf or embedded_gguf()
-    threads = threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or (os.cpu_count() or 1)
-    llm = LlamaCpp(model_path=str(path), n_ctx=len(prompt_ids) + new_tokens + 8, n_batch=512,
-                   n_threads=threads, n_threads_batch=threads, verbose=False, seed=0)
+    request = LlamaCppRequest(prompt_ids, new_tokens, threads, gguf)
     prefills, decodes, tokens = [], [], []
     for run in range(repeats + 1):
-        llm.reset()
         t0 = time.perf_counter()
-        llm.eval(list(prompt_ids))
-        tokens = [_greedy(llm)]
+        first = request.prefill()
         t1 = time.perf_counter()
-        for _ in range(new_tokens - 1):
-            llm.eval([tokens[-1]])
-            tokens.append(_greedy(llm))
+        tokens = request.decode(first)
         t2 = time.perf_counter()
         if run:  # the first run warms up
             prefills.append(t1 - t0)
             decodes.append(t2 - t1)
-    text = llm.detokenize(tokens).decode("utf-8", errors="replace")
-    llm.close()
-    return PeerResult("llama.cpp " + _version(), path.name.split(".")[-2], len(prompt_ids),
+    text = request.llm.detokenize(tokens).decode("utf-8", errors="replace")
+    request.close()
+    return PeerResult("llama.cpp " + _version(), request.path.name.split(".")[-2], len(prompt_ids),
                       len(prompt_ids) / statistics.median(prefills),
-                      (new_tokens - 1) / statistics.median(decodes), threads, tokens, decodes, text)
+                      (new_tokens - 1) / statistics.median(decodes), request.threads, tokens, decodes, text)
 
 
 def _greedy(llm: "object") -> int:
