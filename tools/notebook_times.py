@@ -32,9 +32,9 @@ WHY = {
     "06_whole_request": "it times whole requests over a grid of prompt and output lengths, each against its "
                         "prediction, with repeats",
     "batching": "it measures a grid of batch sizes and serves the same arrival trace with several schedulers",
-    "roofline": "each compiled variant is built once per context (11-17 s each on a 2-core Xeon, by layer groups) the "
-                "first time on a machine; a later run loads them from disk in a second or so each. llama.cpp is "
-                "measured beside them",
+    "roofline": "each compiled variant is built once per context (by layer groups: 11-17 s each on a 2-core Xeon; "
+                "11-37 s on a 2-core EPYC, where the first build in a process is the slowest) the first time on a "
+                "machine; a later run loads them from disk in a second or so each. llama.cpp is measured beside them",
     "speculative": "every draft and every k is timed against plain decoding, interleaved, on several tasks",
 }
 
