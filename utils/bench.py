@@ -243,16 +243,10 @@ def fall_in_turns(lm: LoadedModel, model: Llama, contexts: tuple[int, int], new_
     where its bytes predict 0.93, and every compiled row to 0.76-0.83). The steps' packages were built by the rows:
     loaded here. ``model`` may be on the workbook's kernels already (it is then used as it is).
     """
-    model = cpu_linear.on_workbook_kernels(model)  # no copy where it is converted already
-    runs = {}
-    for context in contexts:
-        ids = filler_ids(lm.tokenizer, context, lm.device)
-        decoder = fast.FastDecoder.build(model, fast.static_length(context, new_tokens), compiled=True)
-        decoder.warm_up(ids)
-        runs[str(context)] = decoder, ids
-    times = interleaved({c: (lambda start, d=d: d.decode(start, new_tokens)) for c, (d, _) in runs.items()},
-                        setup={c: (lambda d=d, ids=ids: d.prefill(ids)) for c, (d, ids) in runs.items()},
-                        repeats=repeats, progress=False)
+    model = cpu_linear.on_workbook_kernels(model)  # once: compiled_request then uses it as it is
+    runs = {str(c): compiled_request(lm, model, c, new_tokens) for c in contexts}
+    times = interleaved({c: run for c, (_, run, _) in runs.items()},
+                        setup={c: setup for c, (setup, _, _) in runs.items()}, repeats=repeats, progress=False)
     short, long = (times[str(c)] for c in contexts)
     return {"measured": short.median / long.median, "spread": ratio_spread(short, long)}
 

@@ -124,13 +124,12 @@ def pack_by_thread(model: Llama, threads: int | None = None) -> int:
     a step, as the bandwidth probe does, instead of ~120 short ones. ``threads``: the decode threads (default
     torch's); a projection whose rows do not split evenly is read from its weight. Returns how many were laid out."""
     threads = threads or torch.get_num_threads()
+    floats = [m for _, m in iter_linears(model) if isinstance(m, FloatLinear)]
+    for m in floats:
+        m.parts = None  # laid out again below, or read from its weight
     done = 0
-    for _, m in iter_linears(model):
-        if isinstance(m, FloatLinear):
-            m.parts = None  # laid out again below, or read from its weight
     for dtype in (torch.float32, torch.bfloat16):
-        chosen = [m for _, m in iter_linears(model) if isinstance(m, FloatLinear) and m.path == "rows"
-                  and m.weight.dtype == dtype and m.out_features % threads == 0]
+        chosen = [m for m in floats if m.path == "rows" and m.weight.dtype == dtype and m.out_features % threads == 0]
         per_thread = sum(m.weight.numel() // threads for m in chosen)
         buffer = huge_page_buffer(threads * per_thread, dtype)
         at = buffer.storage_offset()  # as_strided counts from the start of the memory
