@@ -16,13 +16,14 @@ def pytorch_attention(q, k, v, mask):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [16, 40, 64, 128])
+@pytest.mark.parametrize("head_dim", [16, 32, 40, 64, 128])
 @pytest.mark.parametrize("heads, kv_heads", [(6, 2), (8, 1), (32, 1)])
 def test_cpu_decode_attention_kernel_agrees_with_pytorch(dtype, head_dim, heads, kv_heads):
     """Two sequences, 3, 8 or 32 (multi-query, the kernel's most) query heads per KV head, a slice of a longer cache (as the static cache hands it over),
     more slots than one chunk, a mask with left padding and a window (slot counts that fill no whole vector): the
-    kernel's answer is PyTorch's. Head sizes: the vector paths' unrolled ones (64, 128), one they take with a loop
-    (16), one that is no multiple of an AVX-512 vector (40)."""
+    kernel's answer is PyTorch's. Head sizes: the vector paths' unrolled ones (64, 128), ones they take with a loop
+    (16, and 32: two AVX-512 vectors, which bf16 keys meet as pairs where the CPU has AVX512-BF16), one that is no
+    multiple of an AVX-512 vector (40)."""
     assert cpu_attention.available(), "this machine has a C++ compiler: the kernel must build"
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2, heads, 1, head_dim, generator=g).to(dtype)
@@ -46,6 +47,27 @@ def test_cpu_decode_attention_over_any_number_of_allowed_slots(allowed):
     mask = (torch.arange(1024) < allowed)[None, None, None]
     torch.testing.assert_close(cpu_attention.decode_attention(q, k, v, mask), pytorch_attention(q, k, v, mask),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("allowed", [1, 200, 1000])
+def test_cpu_decode_attention_on_any_number_of_threads(threads, allowed):
+    """The kernel cuts each KV head's allowed slots into as many runs as make every thread's share equal, so the runs
+    depend on the thread count (3 KV heads, 200 slots: one run each on 1 or 3 threads, two on 2): on each, in bf16 as
+    in float32, the answer is PyTorch's."""
+    assert cpu_attention.available()
+    g = torch.Generator().manual_seed(threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for dtype, tol in ((torch.float32, {"atol": 1e-5, "rtol": 1e-5}), (torch.bfloat16, {})):
+            q = torch.randn(1, 9, 1, 64, generator=g).to(dtype)
+            k, v = (torch.randn(1, 3, 1100, 64, generator=g).to(dtype) for _ in range(2))
+            mask = (torch.arange(1100) < allowed)[None, None, None]
+            torch.testing.assert_close(cpu_attention.decode_attention(q, k, v, mask),
+                                       pytorch_attention(q, k, v, mask), **tol)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_cpu_decode_attention_refuses_shapes_it_does_not_handle():
