@@ -44,7 +44,7 @@ inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
 constexpr int64_t kMaxGroup = 32;   // query heads per KV head (multi-query attention over 32 heads)
 constexpr int64_t kMaxDim = 256;    // head_dim
-constexpr int64_t kChunk = 256;     // slots per task
+constexpr int64_t kChunk = 256;     // allowed slots per task, at most
 
 struct Partial {  // running softmax of one query head over one chunk
   float max = -std::numeric_limits<float>::infinity();
@@ -81,8 +81,8 @@ inline int64_t allowed_slots(const bool* mask, int64_t mask_stride, int64_t begi
   return n;
 }
 
-// One KV head, slots [begin, end): the G query heads' partial softmax over them, in three passes: scores,
-// weights, weighted values. Each key and value row is read once for all G heads.
+// One KV head, the n slots listed in allowed: the G query heads' partial softmax over them, in three passes:
+// scores, weights, weighted values. Each key and value row is read once for all G heads.
 // kD: the head size when known at compile time (64, 128: the loops over it unroll, 1.4x faster on a 2-core
 // EPYC), else 0 and D_ is used.
 template <typename T, int64_t kD>
