@@ -5,8 +5,8 @@ kernel is built for prefill's many queries; on one query it spends ~170 ns per c
 (SmolLM2's 9 heads of 64, 2 threads), about ten times the arithmetic, and more in bf16. At 1,024 tokens of
 context that was half of a compiled decode step. The kernel here reads each cached key and value row once
 for all the query heads that share it (grouped-query attention), computes in float32 whatever the cache's
-dtype, and cuts each KV head's allowed slots into runs, as many as give every thread the same number of rows. :func:`utils.fast.attention_seconds` times
-it against PyTorch's kernel on the machine at hand.
+dtype, and cuts each KV head's allowed slots into runs, as many as give every thread the same number of rows.
+:func:`utils.fast.attention_seconds` times it against PyTorch's kernel on the machine at hand.
 
 The kernel is a PyTorch operator, ``torch.ops.workbook.decode_attention``: eager code and a compiled step
 (``torch.compile`` or an AOTInductor package) call the same function, so they make the same tokens.

@@ -73,10 +73,10 @@ inline float exp_nonpositive(float x) {
   return r;
 }
 
-// The slots in [begin, end) that the mask allows, into rows; returns how many.
-inline int64_t allowed_slots(const bool* mask, int64_t mask_stride, int64_t begin, int64_t end, int64_t* rows) {
+// The slots of S that the mask allows, into rows; returns how many.
+inline int64_t allowed_slots(const bool* mask, int64_t mask_stride, int64_t S, int64_t* rows) {
   int64_t n = 0;
-  for (int64_t s = begin; s < end; ++s)
+  for (int64_t s = 0; s < S; ++s)
     if (mask[s * mask_stride]) rows[n++] = s;
   return n;
 }
@@ -402,39 +402,40 @@ void values_bf16(const c10::BFloat16* v, int64_t v_stride, const int64_t* rows, 
   }
 }
 
+// f(std::integral_constant<int, GP>{}, g) for heads g .. g + GP - 1, over all G heads, at most Most at a time.
+template <int Most, typename F>
+void by_head_groups(int64_t G, const F& f) {
+  for (int64_t g = 0; g < G;) {
+    const int64_t gp = std::min<int64_t>(Most, G - g);
+    switch (gp) {
+      case 1: f(std::integral_constant<int, 1>{}, g); break;
+      case 2: f(std::integral_constant<int, 2>{}, g); break;
+      case 3: f(std::integral_constant<int, 3>{}, g); break;
+      default: f(std::integral_constant<int, Most>{}, g);  // Most == 4 here
+    }
+    g += gp;
+  }
+}
+
 // values_simd for all G heads, as many at once as the registers hold: GP x CB accumulators and CB row vectors
 // in kRegs registers, at most 4 heads (CB = 4 vectors of a row at a time when the row is a multiple of 4
-// vectors, else 1; AVX2 with CB = 4 takes 3 heads at once).
+// vectors, else 1; AVX2 with CB = 4 takes 3 heads at once). bf16 rows go to values_bf16, 4 heads at once.
 template <typename T, int64_t NB>
 void values_all(const T* v, int64_t v_stride, const int64_t* rows, int64_t n, int64_t nb, int64_t G,
                 const float (*weights)[kChunk], Partial* out) {
-  constexpr int CB = NB && NB % 4 == 0 ? 4 : 1;
-  constexpr int kMost = std::min<int>(4, Simd::kRegs / CB - 1);
-  static_assert(kMost >= 3, "values_all dispatches 1 to 4 heads at once");
   if constexpr (std::is_same_v<T, c10::BFloat16> && NB % 2 == 0 && NB > 0) {
     // CP loads of 2W per row: 2 (4 vectors) where 4 heads' accumulators and the row fit the registers, else 1
     constexpr int CP = (NB / 2) % 2 == 0 && Simd::kRegs >= 4 * 4 + 4 + 1 ? 2 : 1;
-    for (int64_t g = 0; g < G;) {
-      const int64_t gp = std::min<int64_t>(4, G - g);
-      switch (gp) {
-        case 1: values_bf16<NB, 1, CP>(v, v_stride, rows, n, nb, weights, g, out); break;
-        case 2: values_bf16<NB, 2, CP>(v, v_stride, rows, n, nb, weights, g, out); break;
-        case 3: values_bf16<NB, 3, CP>(v, v_stride, rows, n, nb, weights, g, out); break;
-        default: values_bf16<NB, 4, CP>(v, v_stride, rows, n, nb, weights, g, out);
-      }
-      g += gp;
-    }
-    return;
-  }
-  for (int64_t g = 0; g < G;) {
-    const int64_t gp = std::min<int64_t>(kMost, G - g);
-    switch (gp) {
-      case 1: values_simd<T, NB, 1, CB>(v, v_stride, rows, n, nb, weights, g, out); break;
-      case 2: values_simd<T, NB, 2, CB>(v, v_stride, rows, n, nb, weights, g, out); break;
-      case 3: values_simd<T, NB, 3, CB>(v, v_stride, rows, n, nb, weights, g, out); break;
-      default: values_simd<T, NB, kMost, CB>(v, v_stride, rows, n, nb, weights, g, out);  // kMost == 4 here
-    }
-    g += gp;
+    by_head_groups<4>(G, [&](auto GP, int64_t g) {
+      values_bf16<NB, decltype(GP)::value, CP>(v, v_stride, rows, n, nb, weights, g, out);
+    });
+  } else {
+    constexpr int CB = NB && NB % 4 == 0 ? 4 : 1;
+    constexpr int kMost = std::min<int>(4, Simd::kRegs / CB - 1);
+    static_assert(kMost >= 3, "values_all dispatches 1 to 4 heads at once");
+    by_head_groups<kMost>(G, [&](auto GP, int64_t g) {
+      values_simd<T, NB, decltype(GP)::value, CB>(v, v_stride, rows, n, nb, weights, g, out);
+    });
   }
 }
 
@@ -515,7 +516,7 @@ Plan plan_tasks(const bool* mask, int64_t mask_b, int64_t mask_s, int64_t B, int
   plan.count.resize(B);
   int64_t most = 0;
   for (int64_t b = 0; b < B; ++b) {
-    plan.count[b] = allowed_slots(mask + b * mask_b, mask_s, 0, S, plan.rows.data() + b * S);
+    plan.count[b] = allowed_slots(mask + b * mask_b, mask_s, S, plan.rows.data() + b * S);
     most = std::max(most, plan.count[b]);
   }
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());

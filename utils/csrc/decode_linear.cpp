@@ -401,8 +401,9 @@ const float* pair_rows(const float* x, int64_t M, int64_t K, std::vector<float>&
 
 // One bf16 weight row against MR rows of x (xp: x in pair order), as float_block: y[m * N]. With ahead, the row
 // 2 KiB ahead is asked for first (prefetch_l2; not for a weight laid out by thread, see float_linear). Measured on
-// a 2-core Xeon, SmolLM2's projections alone (30 layers cycled), in turns with the widening loads of float_block: AVX2 build 9.6-10.6 -> 12.0-13.1 GB/s (four rounds), AVX-512 build
-// 11.3-12.0 -> 13.0-14.8 (three); two or four weight rows at a time, or no prefetch, were slower.
+// a 2-core Xeon, SmolLM2's projections alone (30 layers cycled), in turns with the widening loads of float_block:
+// AVX2 build 9.6-10.6 -> 12.0-13.1 GB/s (four rounds), AVX-512 build 11.3-12.0 -> 13.0-14.8 (three); two or four
+// weight rows at a time, or no prefetch, were slower.
 template <int MR>
 void bf16_row(const float* xp, int64_t K, const uint16_t* w, float* y, int64_t N, bool ahead = true) {
   if (ahead) prefetch_l2(w, 2 * K);
