@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from test_batching import tiny_hf
 from torch import nn
 
-from utils import cpu_linear, cpu_quant, engine, fast
+from utils import cpu_linear, cpu_quant, engine, fast, quant
 from utils.llama import Llama, iter_linears
 from utils.variants import bytes_read_per_token
 
@@ -85,6 +85,32 @@ def test_a_model_on_the_kernels_shares_its_tensors_and_bytes_and_keeps_the_token
     ids = torch.randint(1, 96, (1, 12), generator=torch.Generator().manual_seed(5))
     agreed = (engine.generate(own, ids, 12) == engine.generate(model, ids, 12)).long().cumprod(-1).sum()
     assert agreed >= (12 if dtype == torch.float32 else 4)  # bf16: a near-tie may round the other way
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantized_model_on_the_workbook_kernels_decodes_from_its_tensors_laid_out_by_thread(bits):
+    """on_workbook_kernels lays out what each quantized projection streams (int4: packed and dm, int8: q) in one
+    buffer per dtype, back to back, in a new tree that shares the model's tensors; its layers' sums are unchanged,
+    and a second call has nothing left to do."""
+    model = quant.quantized_copy(Llama.from_hf(tiny_hf()), bits, 8, dtype=torch.float32)
+    own = cpu_linear.on_workbook_kernels(model)
+    assert own is not model and cpu_linear.on_workbook_kernels(own) is own
+    threads = torch.get_num_threads()
+    pairs = list(zip((m for _, m in iter_linears(model)), (m for _, m in iter_linears(own))))
+    laid = [(name, m, t) for _, m in pairs for name, t in cpu_linear.decode_tensors(m).items()]
+    assert {name for name, *_ in laid} == ({"packed_parts", "dm_parts", "q_parts"} if bits == 4 else {"q_parts"})
+    for name in {name for name, *_ in laid}:
+        group = [(getattr(m, name), t) for n, m, t in laid if n == name]
+        assert len({p.untyped_storage().data_ptr() for p, _ in group}) == 1  # one buffer per kind
+        for (p, t), (after, _) in zip(group, group[1:]):
+            assert p.shape[0] == threads and torch.equal(p.reshape(t.shape), t)
+            assert after.storage_offset() == p.storage_offset() + p[0].numel()  # back to back
+    x = torch.randn(1, 2, max(m.in_features for m, _ in pairs))
+    for before, after in pairs:
+        assert all(getattr(before, n) is None for n in cpu_linear.decode_tensors(before))  # the model is unchanged
+        assert torch.equal(after(x[..., :after.in_features]), before(x[..., :before.in_features]))
+    own.lm_head.q_parts.zero_()  # decode reads the laid-out copy
+    assert not own.lm_head(x[..., :model.args.hidden_size]).any()
 
 
 def test_no_float_module_where_the_kernels_are_off(monkeypatch):

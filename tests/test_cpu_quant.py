@@ -58,6 +58,41 @@ def test_int4_kernel_agrees_with_its_weights(dtype, rows, n, k, g):
     assert (got.float() - want).abs().max() <= limit * want.abs().max()
 
 
+def laid_out(t: torch.Tensor, parts: int) -> torch.Tensor:
+    """``t [N, ...]`` copied into a ``[parts, N / parts, ...]`` view whose parts lie 37 elements further apart than
+    their size, others' data in between (as a buffer laid out by thread holds other projections' rows)."""
+    rows = t.shape[0] // parts
+    each = t[:rows].numel() + 37
+    buffer = torch.zeros(parts * each + 5, dtype=t.dtype)
+    inner = t[:rows].stride()
+    view = buffer.as_strided((parts, rows, *t.shape[1:]), (each, *inner), 5)
+    return view.copy_(t.reshape(parts, rows, *t.shape[1:]))
+
+
+@pytest.mark.parametrize("parts, threads", [(2, 2), (2, 1), (3, 2)])  # as many parts as threads, or not
+def test_the_quantized_kernels_read_weights_laid_out_by_thread_and_make_the_same_sums(parts, threads):
+    """int8 ``q`` and int4 ``packed``/``dm`` laid out by thread (utils.cpu_linear.pack_by_thread): bit for bit the
+    sums of the ``[N, K]`` layout, whichever thread reads which part; x may be a float32 slice (copied first)."""
+    gen = torch.Generator().manual_seed(3)
+    q8, scale = int8_weights(24 * parts, 576)
+    q4, scales, zeros = quant.quantize_int4_unpacked(torch.randn(24 * parts, 576, generator=gen), 32)
+    packed, dm = cpu_quant.int4_pack(q4), cpu_quant.int4_dm(scales, zeros)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 3, 6):
+            x = torch.randn(rows, 600, generator=gen)[:, :576]  # a slice of a wider x: not contiguous
+            want8 = x.contiguous() @ quant.dequantize_int8(q8, scale).T
+            torch.testing.assert_close(cpu_quant.int8_linear(x, q8, scale), want8, atol=1e-4, rtol=1e-5)
+            assert torch.equal(cpu_quant.int8_linear(x, laid_out(q8, parts), scale), cpu_quant.int8_linear(x, q8, scale))
+            got = cpu_quant.int4_linear(x, laid_out(packed, parts), laid_out(dm, parts), 32)
+            assert got.shape == (rows, 24 * parts) and torch.equal(got, cpu_quant.int4_linear(x, packed, dm, 32))
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="dm \\[P, N / P, K / g, 2\\]"):  # packed laid out, dm not
+        torch.ops.workbook.int4_linear(torch.randn(1, 576), laid_out(packed, parts), dm, 32)
+
+
 def test_int4_packing_is_blocks_of_32_low_then_high_nibbles():
     q = torch.arange(64, dtype=torch.uint8).remainder(16).reshape(1, 64)
     packed = cpu_quant.int4_pack(q)

@@ -20,7 +20,6 @@ modules listed before it (``tests/test_layering.py`` checks it).
 - ``cpu_attention`` decode attention over a KV cache on a CPU: the workbook's C++ kernel
 - ``cpu_quant``     int8 / int4 weight-only matrix products for decode on a CPU: the workbook's C++ kernels
 - ``llama``         a hand-written Llama forward pass and its preallocated KV cache
-- ``cpu_linear``    float32 / bf16 projections for decode on a CPU on the workbook's kernel (AMX tiles for bf16)
 - ``phases``        prefill / decode / extend through transformers (one backend)
 - ``llama_phases``  prefill / decode / extend through the hand-written model (the other backend)
 - ``engine``        one request engine over either backend: generate, stream, time each phase
@@ -38,6 +37,7 @@ modules listed before it (``tests/test_layering.py`` checks it).
 - ``llama_server`` llama.cpp's own server on the embedded file: built once per machine, started and stopped on 127.0.0.1
 - ``verdicts``      conclusions computed from this run's numbers (which is faster, what bounds decode)
 - ``quant``         weight-only int8 / int4 quantization (reference and PyTorch kernels), any layer width
+- ``cpu_linear``    float32 / bf16 decode projections on the workbook's CPU kernel; all of them laid out by thread
 - ``variants``      judging a model variant against its baseline: bytes, perplexity, agreement, speed-up
 - ``fast``          the fast path: static cache, hot loop, the one-token step compiled once
 - ``decode_table`` the roofline table: each way of decoding measured as a row (tok/s, bytes, ceiling, tokens), llama.cpp's row
@@ -59,6 +59,6 @@ for _name in ("torchao", "torch.utils._pytree"):
 __version__ = "0.1.0"
 
 MODULE_ORDER = ("errors", "results", "roofline", "shapes", "device", "timing", "decide", "hardware", "plotting", "tokens", "sampling",
-                "models", "peer", "cpu_extension", "cpu_attention", "cpu_quant", "llama", "cpu_linear", "phases", "llama_phases", "engine", "requests", "blocks", "scheduler", "executors", "batching", "simulator", "paged", "long_context", "meter", "openai_client", "load_generator", "llama_server", "verdicts", "quant", "variants", "fast", "decode_table", "speculative", "checks",
+                "models", "peer", "cpu_extension", "cpu_attention", "cpu_quant", "llama", "phases", "llama_phases", "engine", "requests", "blocks", "scheduler", "executors", "batching", "simulator", "paged", "long_context", "meter", "openai_client", "load_generator", "llama_server", "verdicts", "quant", "cpu_linear", "variants", "fast", "decode_table", "speculative", "checks",
                 "chapter", "bench", "report", "grade")
 """The package's modules, bottom to top: each imports only modules before it."""

@@ -123,8 +123,8 @@ def kernel_pair(fp32: Llama, weights: str, model: Llama) -> tuple[Llama, Llama] 
     quantization on aten's kernels, a float form on :mod:`utils.cpu_linear` against itself on ``nn.Linear``. None
     where the workbook's kernels are not in use (a GPU, no compiler, ``WORKBOOK_CPU_QUANT=0``)."""
     if any(getattr(m, "kernel", "") == "workbook" for _, m in llama.iter_linears(model)):
-        bits, head_bits = (4, 8) if weights.startswith("int4") else (8, 8)
-        return model, quant.quantized_copy(fp32, bits, head_bits, kernel="aten")
+        bits, head_bits = (4, 8) if weights.startswith("int4") else (8, 8)  # laid out by thread, as the rows run
+        return cpu_linear.on_workbook_kernels(model), quant.quantized_copy(fp32, bits, head_bits, kernel="aten")
     if weights.startswith("int"):
         return None
     own = cpu_linear.on_workbook_kernels(model)

@@ -13,7 +13,8 @@ from ``x @ W.T`` in float32 only by summation order; in x's dtype it is rounded 
 (:func:`tiles_here`) a bf16 projection keeps a second copy of its weight in the tile unit's order
 (:func:`bf16_tiles`), made once when the module is built, and its bf16 rows go through the tile unit
 (:func:`bf16_tiles_linear`): products exact, summed in float32 by the tile unit. Elsewhere the weights are read
-from a second copy laid out by thread (:func:`pack_by_thread`), so that each thread streams one region per step.
+from a second copy laid out by thread (:func:`pack_by_thread`), so that each thread streams one region per step;
+so are the int8 and int4 layers' (:mod:`utils.quant`) in :func:`on_workbook_kernels`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import cpu_quant
+from . import cpu_quant, quant
 from .errors import WorkbookError
 from .llama import Llama, iter_linears, replace_linear
 
@@ -116,40 +117,75 @@ def huge_page_buffer(numel: int, dtype: torch.dtype) -> Tensor:
     return raw[start:start + nbytes].view(dtype)
 
 
+def laid_out_by_thread(tensors: list[Tensor], threads: int) -> list[Tensor]:
+    """Copies of ``tensors`` (one dtype, each ``[N, ...]`` with N a multiple of ``threads``) in one buffer on 2 MiB
+    pages (:func:`huge_page_buffer`), ``[threads, per_thread]``: each copy a ``[threads, N / threads, ...]`` view
+    whose part t, rows ``t * N / threads ..``, follows part t of the copy before it."""
+    per_thread = sum(t.numel() // threads for t in tensors)
+    buffer = huge_page_buffer(threads * per_thread, tensors[0].dtype)
+    at, copies = buffer.storage_offset(), []  # as_strided counts from the start of the memory
+    for t in tensors:
+        shape = (threads, t.shape[0] // threads, *t.shape[1:])
+        rows = torch.empty(shape[1:], device="meta").stride()  # one part's own strides: contiguous
+        copies.append(buffer.as_strided(shape, (per_thread, *rows), at).copy_(t.detach().reshape(shape)))
+        at += t.numel() // threads
+    return copies
+
+
+def decode_tensors(module: nn.Module) -> dict[str, Tensor]:
+    """The tensors a decode row of ``module`` streams through the workbook's kernels, by the name of the buffer that
+    holds their copy laid out by thread (:func:`pack_by_thread`): a "rows" :class:`FloatLinear`'s weight, an int8
+    layer's ``q``, an int4 layer's ``packed`` and ``dm`` (:mod:`utils.quant`); none for any other module."""
+    if isinstance(module, FloatLinear):
+        return {"parts": module.weight} if module.path == "rows" else {}
+    if getattr(module, "kernel", "") != "workbook" or not getattr(module, "use_kernel", False):
+        return {}
+    if isinstance(module, quant.Int8Linear):
+        return {"q_parts": module.q}
+    return {"packed_parts": module.packed, "dm_parts": module.dm} if isinstance(module, quant.Int4Linear) else {}
+
+
 def pack_by_thread(model: Llama, threads: int | None = None) -> int:
-    """Give each "rows" :class:`FloatLinear` of ``model`` a second copy of its weight (``parts``, not weight bytes:
-    decode reads one or the other), laid out by thread: per dtype one buffer ``[threads, per_thread]``, in which
-    thread t's share of every projection's rows (rows ``t * N / threads ..``, the share the kernel gives it) follows
-    its share of the projection before, in the order a step calls them. Each thread then streams one region through
-    a step, as the bandwidth probe does, instead of ~120 short ones. ``threads``: the decode threads (default
-    torch's); a projection whose rows do not split evenly is read from its weight. Returns how many were laid out."""
+    """Give each projection of ``model`` that decodes on the workbook's kernels a second copy of what it streams
+    (:func:`decode_tensors`; not weight bytes: decode reads one or the other), laid out by thread: per dtype one
+    buffer ``[threads, per_thread]``, in which thread t's share of every projection's rows (rows ``t * N /
+    threads ..``, the share the kernel gives it) follows its share of the projection before, in the order a step
+    calls them. Each thread then streams one region per dtype through a step, as the bandwidth probe does, instead
+    of ~120 short ones. ``threads``: the decode threads (default torch's); a projection whose rows do not split
+    evenly is read from its own tensors. Returns how many were laid out."""
     threads = threads or torch.get_num_threads()
-    floats = [m for _, m in iter_linears(model) if isinstance(m, FloatLinear)]
-    for m in floats:
-        m.parts = None  # laid out again below, or read from its weight
+    chosen: dict[torch.dtype, list[tuple[nn.Module, str, Tensor]]] = {}
     done = 0
-    for dtype in (torch.float32, torch.bfloat16):
-        chosen = [m for m in floats if m.path == "rows" and m.weight.dtype == dtype and m.out_features % threads == 0]
-        per_thread = sum(m.weight.numel() // threads for m in chosen)
-        buffer = huge_page_buffer(threads * per_thread, dtype)
-        at = buffer.storage_offset()  # as_strided counts from the start of the memory
-        for m in chosen:
-            n, k = m.weight.shape
-            parts = buffer.as_strided((threads, n // threads, k), (per_thread, k, 1), at)  # [threads, N / threads, K]
-            m.parts = parts.copy_(m.weight.detach().view(threads, n // threads, k))
-            at += n // threads * k
-        done += len(chosen)
+    for _, m in iter_linears(model):
+        tensors = decode_tensors(m)
+        for name, t in tensors.items():
+            setattr(m, name, None)  # laid out again below, or read from its own tensors
+            if m.out_features % threads == 0:
+                chosen.setdefault(t.dtype, []).append((m, name, t))
+        done += bool(tensors) and m.out_features % threads == 0
+    for group in chosen.values():
+        for (m, name, _), copy_ in zip(group, laid_out_by_thread([t for *_, t in group], threads)):
+            setattr(m, name, copy_)
     return done
 
 
+def _laid_out(module: nn.Module, threads: int) -> bool:
+    """Whether :func:`pack_by_thread` on ``threads`` threads has nothing to add for ``module``."""
+    split = getattr(module, "out_features", 1) % threads == 0
+    return not split or all(getattr(module, name) is not None for name in decode_tensors(module))
+
+
 def on_workbook_kernels(model: Llama) -> Llama:
-    """``model`` with every float32 or bf16 ``nn.Linear`` projection a :class:`FloatLinear`: a new module tree that
-    shares ``model``'s tensors (its weights are not replaced; a tied LM head stays tied), with the decode weights
-    laid out by thread (:func:`pack_by_thread`: a second copy, the weights' size again in memory). ``model`` itself
-    where there is none to replace, or where the kernels do not run (not a CPU, not built, ``$WORKBOOK_CPU_QUANT=0``)."""
+    """``model`` with every float32 or bf16 ``nn.Linear`` projection a :class:`FloatLinear` and what each projection
+    decodes from laid out by thread (:func:`pack_by_thread`: a second copy, the weights' size again in memory): a
+    new module tree that shares ``model``'s tensors (its weights are not replaced; a tied LM head stays tied).
+    ``model`` itself where there is nothing to replace or lay out, or where the kernels do not run (not a CPU, not
+    built, ``$WORKBOOK_CPU_QUANT=0``)."""
     plain = [name for name, m in iter_linears(model) if type(m) is nn.Linear
              and m.weight.dtype in (torch.float32, torch.bfloat16)]
-    if not plain or model.device.type != "cpu" or not cpu_quant.available():
+    if model.device.type != "cpu" or not cpu_quant.available():
+        return model
+    if not plain and all(_laid_out(m, torch.get_num_threads()) for _, m in iter_linears(model)):
         return model
     shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
     new = copy.deepcopy(model, memo=shared)

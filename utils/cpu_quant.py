@@ -38,10 +38,11 @@ def available() -> bool:
 
 
 def int8_linear(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
-    """``x @ (q * scale).T`` for ``x [..., K]`` (float32, bf16 or fp16), ``q`` int8 ``[N, K]``, ``scale`` float32
-    ``[N]``; returns ``[..., N]`` in x's dtype, computed in float32."""
+    """``x @ (q * scale).T`` for ``x [..., K]`` (float32, bf16 or fp16), ``q`` int8 ``[N, K]`` (or ``[P, N / P, K]``
+    laid out by thread, :func:`utils.cpu_linear.pack_by_thread`), ``scale`` float32 ``[N]``; returns ``[..., N]`` in
+    x's dtype, computed in float32."""
     y = torch.ops.workbook.int8_linear(x.reshape(-1, x.shape[-1]), q, scale)
-    return y.reshape(*x.shape[:-1], q.shape[0])
+    return y.reshape(*x.shape[:-1], scale.shape[0])
 
 
 def int4_pack(q: Tensor) -> Tensor:
@@ -69,6 +70,8 @@ def int4_dm(scales: Tensor, zeros: Tensor) -> Tensor:
 
 def int4_linear(x: Tensor, packed: Tensor, dm: Tensor, group_size: int) -> Tensor:
     """``x @ W.T`` with ``W = q * d + m`` (:func:`int4_pack`, :func:`int4_dm`) for ``x [..., K]``; ``[..., N]`` in
-    x's dtype, computed with x rounded to 16 bits per 32-value block (relative error ~1e-5) and float32 sums."""
+    x's dtype, computed with x rounded to 16 bits per 32-value block (relative error ~1e-5) and float32 sums.
+    ``packed`` and ``dm`` may be laid out by thread instead (``[P, N / P, K / 2]`` and ``[P, N / P, K / g, 2]``,
+    :func:`utils.cpu_linear.pack_by_thread`): the same sums."""
     y = torch.ops.workbook.int4_linear(x.reshape(-1, x.shape[-1]), packed, dm, group_size)
-    return y.reshape(*x.shape[:-1], packed.shape[0])
+    return y.reshape(*x.shape[:-1], packed.shape[:-1].numel())

@@ -296,8 +296,9 @@ class Int8Linear(nn.Module):
     """A linear layer with int8 weights (per-output-channel scales); same call as nn.Linear.
 
     Buffers: ``q`` int8 [out, in], ``scale`` [out] and ``bias`` (if any) in the
-    activation dtype (float32 for the workbook's kernel). ``forward`` uses ``kernel``
-    (:data:`KERNELS`) when it runs here (``path == "kernel"``; aten's needs ``q`` zero-padded
+    activation dtype (float32 for the workbook's kernel); ``q_parts``: a copy of ``q`` laid out by
+    thread that the workbook's kernel reads instead where it is set (:func:`utils.cpu_linear.pack_by_thread`).
+    ``forward`` uses ``kernel`` (:data:`KERNELS`) when it runs here (``path == "kernel"``; aten's needs ``q`` zero-padded
     to a multiple of 16 columns where ``in_features`` is not one, see ``padding``), else
     :func:`int8_matmul_reference`.
     """
@@ -322,6 +323,7 @@ class Int8Linear(nn.Module):
         self.kernel = self.kernel if self.use_kernel else "aten"  # the reference path calls neither (as Int4Linear)
         self.register_buffer("q", q_kernel if self.use_kernel else q)
         self.padding = _padding_note(q.shape, self.q.shape)
+        self.register_buffer("q_parts", None, persistent=False)  # q laid out by thread (cpu_linear.pack_by_thread)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype | None = None,
@@ -340,7 +342,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.use_kernel and self.kernel == "workbook":
-            y = cpu_quant.int8_linear(x, self.q, self.scale)
+            y = cpu_quant.int8_linear(x, self.q if self.q_parts is None else self.q_parts, self.scale)
         elif self.use_kernel:
             y = int8_matmul_kernel(x, self.q, self.scale)
         else:
@@ -368,7 +370,9 @@ class Int4Linear(nn.Module):
     (``padding`` says when); the output is cut back to ``out_features``. Both keep
     scales/zeros in the activation dtype. Workbook kernel path (CPU, ``g`` a multiple of 32):
     ``packed`` [out, K_p/2] in blocks of 32 and ``dm`` [out, K_p/g, 2] float16
-    (:func:`utils.cpu_quant.int4_pack`, :func:`utils.cpu_quant.int4_dm`); nothing padded.
+    (:func:`utils.cpu_quant.int4_pack`, :func:`utils.cpu_quant.int4_dm`); nothing padded; ``packed_parts``
+    and ``dm_parts``: their copies laid out by thread, read instead where set
+    (:func:`utils.cpu_linear.pack_by_thread`).
     Build it on the device it will run on.
     """
 
@@ -418,6 +422,8 @@ class Int4Linear(nn.Module):
         if self.use_kernel:
             self.register_buffer("packed", packed)
             self.register_buffer("dm", dm)
+            self.register_buffer("packed_parts", None, persistent=False)  # both laid out by thread
+            self.register_buffer("dm_parts", None, persistent=False)  # (utils.cpu_linear.pack_by_thread)
         else:
             self.kernel = "aten"
             self.register_buffer("packed", pack_int4(q))
@@ -459,7 +465,8 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.use_kernel and self.kernel == "workbook":
-            y = cpu_quant.int4_linear(_pad_input(x, 2 * self.packed.shape[1]), self.packed, self.dm, self.group_size)
+            packed, dm = (self.packed, self.dm) if self.packed_parts is None else (self.packed_parts, self.dm_parts)
+            y = cpu_quant.int4_linear(_pad_input(x, 2 * self.packed.shape[1]), packed, dm, self.group_size)
         elif self.use_kernel:
             y = int4_matmul_kernel(x, self.packed, self.group_size, self.scales_and_zeros)
             y = y[..., : self.out_features]

@@ -6,6 +6,8 @@
 //   W[n, k] = q * d + m, (d, m) = dm[n, k / g]; q in [0, 15]. Each block of 32 weights k0 .. k0 + 31 of a row is
 //   16 bytes, byte j = q[k0 + j] | q[k0 + 16 + j] << 4 (GGUF's Q4_1 order: one AND and one shift split a block
 //   into its two halves). g is a multiple of 32.
+// q, packed and dm may be laid out by thread too ([P, N / P, K], [P, N / P, K / 2], [P, N / P, K / g, 2]; see
+// float_linear); the sums are those of the [N, K] layout.
 // x may be float32, bf16 or fp16; the arithmetic is float32: each weight is rebuilt as a float (q * d + m in one
 // FMA) and multiplied by x's float32 row, so the result differs from x @ W^T in float32 only by summation order.
 //
@@ -39,13 +41,13 @@ constexpr int64_t kMaxRows = 4;  // rows of x sharing one pass over the weights
 constexpr int64_t kGrain = 16;   // output rows per task, at least
 
 // x's rows as float32 (the kernels read them once per weight block, from L1): x itself when it is float32 and
-// contiguous, else converted into ``buffer``. No new tensor: a decode step makes ~200 of these calls, and two tensor
-// conversions per call cost as much as reading a small matrix.
+// contiguous, else converted or copied (a float32 slice of a wider x) into ``buffer``. No new tensor: a decode step
+// makes ~200 of these calls, and two tensor conversions per call cost as much as reading a small matrix.
 const float* float_rows(const at::Tensor& x, std::vector<float>& buffer) {
   if (x.scalar_type() == at::kFloat && x.is_contiguous()) return x.data_ptr<float>();
   const at::Tensor xc = x.contiguous();
   buffer.resize(xc.numel());
-  AT_DISPATCH_REDUCED_FLOATING_TYPES(xc.scalar_type(), "float_rows", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "float_rows", [&] {
     const scalar_t* p = xc.data_ptr<scalar_t>();
     for (int64_t i = 0; i < xc.numel(); ++i) buffer[i] = static_cast<float>(p[i]);
   });
@@ -101,8 +103,8 @@ inline float hsum(__m256 v) {
 // One int8 weight row against MR rows of x: four accumulators per x row, 32 weights per pass (64 with AVX-512).
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 template <int MR>
-void int8_row(const float* x, int64_t K, const int8_t* w, float scale, float* y, int64_t N) {
-  prefetch_l2(w, K);
+void int8_row(const float* x, int64_t K, const int8_t* w, float scale, float* y, int64_t N, bool ahead = true) {
+  if (ahead) prefetch_l2(w, K);
   __m512 acc[MR][4];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
@@ -122,8 +124,8 @@ void int8_row(const float* x, int64_t K, const int8_t* w, float scale, float* y,
 }
 #else
 template <int MR>
-void int8_row(const float* x, int64_t K, const int8_t* w, float scale, float* y, int64_t N) {
-  prefetch_l2(w, K);
+void int8_row(const float* x, int64_t K, const int8_t* w, float scale, float* y, int64_t N, bool ahead = true) {
+  if (ahead) prefetch_l2(w, K);
   __m256 acc[MR][4];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
@@ -194,9 +196,9 @@ constexpr int64_t kChunk = 16;  // blocks whose scales are prepared together
 
 template <int MR>
 void int4_row(const Int16Rows& xr, int64_t K, const uint8_t* w, const uint16_t* dm, int64_t g, float* y,
-              int64_t N, int64_t m0) {
+              int64_t N, int64_t m0, bool ahead = true) {
   const int64_t nb = K / kBlock;
-  prefetch_l2(w, K / 2), prefetch_l2(dm, 4 * (K / g));
+  if (ahead) prefetch_l2(w, K / 2), prefetch_l2(dm, 4 * (K / g));
   __m512 acc[MR][2], offsets[MR];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = offsets[m] = _mm512_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0F), shifts = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
@@ -244,9 +246,9 @@ void int4_row(const Int16Rows& xr, int64_t K, const uint8_t* w, const uint16_t* 
 #else
 template <int MR>
 void int4_row(const Int16Rows& xr, int64_t K, const uint8_t* w, const uint16_t* dm, int64_t g, float* y,
-              int64_t N, int64_t m0) {
+              int64_t N, int64_t m0, bool ahead = true) {
   const int64_t nb = K / kBlock;
-  prefetch_l2(w, K / 2), prefetch_l2(dm, 4 * (K / g));
+  if (ahead) prefetch_l2(w, K / 2), prefetch_l2(dm, 4 * (K / g));
   __m256 acc[MR][2];
   float msum[MR][2] = {};
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
@@ -275,7 +277,7 @@ void int4_row(const Int16Rows& xr, int64_t K, const uint8_t* w, const uint16_t* 
 #endif
 #else
 template <int MR>
-void int8_row(const float* x, int64_t K, const int8_t* w, float scale, float* y, int64_t N) {
+void int8_row(const float* x, int64_t K, const int8_t* w, float scale, float* y, int64_t N, bool = true) {
   for (int m = 0; m < MR; ++m) {
     float sum = 0.f;
     for (int64_t k = 0; k < K; ++k) sum += static_cast<float>(w[k]) * x[m * K + k];
@@ -472,49 +474,64 @@ void check_x(const at::Tensor& x, int64_t K, const char* op) {
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(), "int8_linear: q must be int8 [N, K]");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == q.size(0) && scale.scalar_type() == at::kFloat,
+  const bool parted = q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2);
+  TORCH_CHECK(((q.dim() == 2 && q.is_contiguous()) || parted) && q.scalar_type() == at::kChar,
+              "int8_linear: q must be int8 [N, K] contiguous, or [P, N / P, K] with contiguous rows");
+  const int64_t K = q.size(-1), P = parted ? q.size(0) : 1, N = parted ? P * q.size(1) : q.size(0);
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kFloat,
               "int8_linear: scale must be float32 [N]");
-  check_x(x, q.size(1), "int8_linear");
-  const int64_t M = x.size(0), K = q.size(1), N = q.size(0);
+  check_x(x, K, "int8_linear");
+  const int64_t M = x.size(0), part_rows = N / P, part_stride = parted ? q.stride(0) : N * K;
   const at::Tensor sc = scale.contiguous();
   const Output out = new_output(x, N, y_buffer);
   const float *xp = float_rows(x, x_buffer), *sp = sc.data_ptr<float>();
   const int8_t* wp = q.data_ptr<int8_t>();
   float* yp = out.values;
   for_each_row(M, N, [&](int64_t n, int64_t m0, int64_t mr, auto) {
-    dispatch_rows(mr, [&](auto MR) { int8_row<MR.value>(xp + m0 * K, K, wp + n * K, sp[n], yp + m0 * N + n, N); });
-  });
+    const int8_t* wn = wp + n / part_rows * part_stride + n % part_rows * K;
+    dispatch_rows(mr, [&](auto MR) { int8_row<MR.value>(xp + m0 * K, K, wn, sp[n], yp + m0 * N + n, N, !parted); });
+  }, P);
   return finish(out);
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dm, int64_t g) {
   TORCH_CHECK(g > 0 && g % kBlock == 0, "int4_linear: the group size must be a multiple of ", kBlock, ", got ", g);
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-              (2 * packed.size(1)) % g == 0, "int4_linear: packed must be uint8 [N, K / 2], K a multiple of ", g);
-  const int64_t M = x.size(0), K = 2 * packed.size(1), N = packed.size(0);
-  TORCH_CHECK(dm.dim() == 3 && dm.size(0) == N && dm.size(1) == K / g && dm.size(2) == 2 &&
-              dm.scalar_type() == at::kHalf && dm.is_contiguous(), "int4_linear: dm must be float16 [N, K / g, 2]");
+  const bool parted = packed.dim() == 3 && packed.stride(2) == 1 && packed.stride(1) == packed.size(2) &&
+                      dm.dim() == 4 && dm.size(0) == packed.size(0) && dm.size(1) == packed.size(1) &&
+                      dm.stride(3) == 1 && dm.stride(2) == 2 && dm.stride(1) == 2 * dm.size(2);
+  TORCH_CHECK(((packed.dim() == 2 && packed.is_contiguous()) || parted) && packed.scalar_type() == at::kByte &&
+              (2 * packed.size(-1)) % g == 0, "int4_linear: packed must be uint8 [N, K / 2] (or [P, N / P, K / 2] with "
+              "dm [P, N / P, K / g, 2]), K a multiple of ", g);
+  const int64_t K = 2 * packed.size(-1), P = parted ? packed.size(0) : 1;
+  const int64_t N = parted ? P * packed.size(1) : packed.size(0);
+  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.size(-1) == 2 && dm.size(-2) == K / g &&
+              (parted || (dm.dim() == 3 && dm.size(0) == N && dm.is_contiguous())),
+              "int4_linear: dm must be float16 [N, K / g, 2]");
   check_x(x, K, "int4_linear");
+  const int64_t part_rows = N / P, w_stride = parted ? packed.stride(0) : N * K / 2,
+                dm_stride = parted ? dm.stride(0) : N * 2 * (K / g);
   const Output out = new_output(x, N, y_buffer);
   const float* xp = float_rows(x, x_buffer);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = out.values;
+  auto w_at = [&](int64_t n) { return wp + n / part_rows * w_stride + n % part_rows * (K / 2); };
+  auto dm_at = [&](const auto* dp, int64_t n) { return dp + n / part_rows * dm_stride + n % part_rows * 2 * (K / g); };
 #ifdef WORKBOOK_SIMD
-  const Int16Rows& xr = int16_rows(xp, M, K);
+  const bool ahead = !parted;  // laid out by thread: one stream per thread, nothing asked for (see float_linear)
+  const Int16Rows& xr = int16_rows(xp, x.size(0), K);
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
-  for_each_row(M, N, [&](int64_t n, int64_t m0, int64_t mr, auto) {
+  for_each_row(x.size(0), N, [&](int64_t n, int64_t m0, int64_t mr, auto) {
     dispatch_rows(mr, [&](auto MR) {
-      int4_row<MR.value>(xr, K, wp + n * (K / 2), dp + n * 2 * (K / g), g, yp + m0 * N + n, N, m0);
+      int4_row<MR.value>(xr, K, w_at(n), dm_at(dp, n), g, yp + m0 * N + n, N, m0, ahead);
     });
-  });
+  }, P);
 #else
   const at::Half* dp = dm.data_ptr<at::Half>();
-  for_each_row(M, N, [&](int64_t n, int64_t m0, int64_t mr, auto) {
+  for_each_row(x.size(0), N, [&](int64_t n, int64_t m0, int64_t mr, auto) {
     dispatch_rows(mr, [&](auto MR) {
-      int4_row<MR.value>(xp + m0 * K, K, wp + n * (K / 2), dp + n * 2 * (K / g), g, yp + m0 * N + n, N);
+      int4_row<MR.value>(xp + m0 * K, K, w_at(n), dm_at(dp, n), g, yp + m0 * N + n, N);
     });
-  });
+  }, P);
 #endif
   return finish(out);
 }
