@@ -253,12 +253,18 @@ kernel calls) compiles at -O0 instead of -O1: 3.4 s instead of 6.1 s on a 2-core
 (bf16 110 against 111 tok/s, int4 211 against 212; the kernels themselves keep -O3)."""
 
 
-PART_SETTINGS: dict[str, Any] = {"aot_inductor.compile_wrapper_opt_level": "O1", "aot_inductor.package_constants_in_so": False}
-"""Inductor settings the layer groups of a :class:`LayeredStep` add: a group is called several times per step,
-and its wrapper compiled at -O0 spent much of a call in unoptimized C++ helpers (2-core AVX-512 EPYC, int4 at
-128 tokens, groups of 5, alternating runs: 138 tok/s at -O0 against 146 for the whole step; in a later run
-149.5 at -O1 against 152.4). A small wrapper compiles in 4.6-5.1 s at either level (headers dominate). Its head
-keeps :data:`PACKAGE_SETTINGS`."""
+PART_SETTINGS: dict[str, Any] = {"aot_inductor.compile_wrapper_opt_level": "O1", "aot_inductor.package_constants_in_so": False,
+                                 "compile_threads": 1}
+"""Inductor settings the layer groups and the head of a :class:`LayeredStep` add.
+
+A group is called several times per step, and its wrapper compiled at -O0 spent much of a call in unoptimized C++
+helpers (2-core AVX-512 EPYC, int4 at 128 tokens, groups of 5, alternating runs: 138 tok/s at -O0 against 146 for
+the whole step; in a later run 149.5 at -O1 against 152.4). A small wrapper compiles in ~5 s at either level
+(headers dominate), so the head compiles at -O1 too: inductor's precompiled header is built with optimization
+and a -O0 compile cannot use it. No pool of compile workers (``compile_threads``): AOTInductor compiles a part's
+kernels as one file, and on 2 cores the pool's start (processes importing torch) ran beside the first build's
+compiles. Measured on a 2-core EPYC, float32 @1,024, a cold build in a new process: 32.8 s as before, 20.7 s
+with both (the wrappers' compiles 7.3 + 11.0 s -> 4.8 + 5.5 s)."""
 
 
 def step_cache_dir() -> Path:
@@ -311,7 +317,8 @@ def package_step(step: nn.Module, example: tuple[Tensor, ...], settings: dict[st
     partial.parent.mkdir(parents=True, exist_ok=True)
     with torch.inference_mode(False), torch.no_grad(), templates_parsed_once(), torch_notice_hidden():
         program = torch.export.export(step, example, strict=False)
-        torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=settings)
+        # a copy: inductor adds its own entries to the dict it is handed, and ``settings`` keys later packages
+        torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=dict(settings))
     partial.replace(path)  # whole or not at all: another process may be reading the same key
     keep_recent_packages(path.parent, float(os.environ.get("WORKBOOK_STEP_CACHE_GB", STEP_CACHE_GB)) * 1e9)
     keep_recent_headers()
@@ -578,11 +585,10 @@ class LayeredStep:
         with torch.inference_mode(False), torch.no_grad():  # normal tensors: what export traces
             x, slot = self.step.model.embed(token.clone()), slot.clone()
         built, paths = False, []
-        head_settings = {**self.settings, **PACKAGE_SETTINGS}  # called once per step: its wrapper's speed matters less
-        for part, example, settings in ((self.groups[0], (x, slot), self.settings), (self.head, (x,), head_settings)):
-            path = step_cache_dir() / f"part-{part_key(part, example, settings)}.pt2"
+        for part, example in ((self.groups[0], (x, slot)), (self.head, (x,))):
+            path = step_cache_dir() / f"part-{part_key(part, example, self.settings)}.pt2"
             if not path.exists():
-                package_step(part, example, settings, path)
+                package_step(part, example, self.settings, path)
                 built = True
             path.touch()  # recently used
             paths.append(path)
