@@ -42,7 +42,8 @@ def test_int8_kernel_agrees_with_the_float32_product(dtype, rows, n, k):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5])
-@pytest.mark.parametrize("n, k, g", [(40, 576, 32), (17, 1536, 64), (3, 128, 128)])
+@pytest.mark.parametrize("n, k, g", [(40, 576, 32), (17, 1536, 64), (3, 128, 128),  # blocks in pairs, and
+                                     (9, 96, 32), (5, 544, 32), (4, 288, 96)])  # an odd block count (a lone last one)
 def test_int4_kernel_agrees_with_its_weights(dtype, rows, n, k, g):
     """The kernel computes x @ (q * d + m).T with d, m as stored (float16) and x in 16 bits per block."""
     gen = torch.Generator().manual_seed(2)

@@ -151,7 +151,7 @@ inline int64_t group_of(int64_t b, int64_t g) { return g == kBlock ? b : b * kBl
 // x's rows prepared for the int4 kernel: per 32-value block b, int16 values x16 = round(x / dx_b) with
 // dx_b = max|x_b| / 32767 (relative error 1.5e-5: the product stays a weight-only one), and the block's exact sum.
 struct Int16Rows {
-  std::vector<int16_t> x16;   // [M, K]
+  std::vector<int16_t> x16;   // [M, K]; with AVX-512, each pair of blocks in halves (pair_halves)
   std::vector<float> scale;   // [M, K / 32]: dx_b
   std::vector<float> sum;     // [M, K / 32]: sum of x over the block, float32
 };
@@ -178,20 +178,39 @@ inline void int16_block(const float* xb, int16_t* out, float* scale, float* sum)
   *scale = dx, *sum = hsum(total);
 }
 
+// Blocks b and b + 1 (b even) of a row of x16 side by side in halves, as the AVX-512 kernel reads a pair of weight
+// blocks: [x_b 0..15, x_b+1 0..15, x_b 16..31, x_b+1 16..31]. A last block without a partner stays as it is.
+inline void pair_halves(int16_t* row, int64_t nb) {
+  int16_t both[2 * kBlock];
+  for (int64_t b = 0; b + 1 < nb; b += 2) {
+    int16_t* p = row + b * kBlock;
+    std::memcpy(both, p, sizeof both);
+    std::memcpy(p + 16, both + 32, 16 * sizeof(int16_t));
+    std::memcpy(p + 32, both + 16, 16 * sizeof(int16_t));
+  }
+}
+
 const Int16Rows& int16_rows(const float* x, int64_t M, int64_t K) {
   thread_local Int16Rows r;  // the calling thread's, reused call after call
   r.x16.resize(M * K), r.scale.resize(M * K / kBlock), r.sum.resize(M * K / kBlock);
   for (int64_t b = 0; b < M * K / kBlock; ++b)
     int16_block(x + b * kBlock, r.x16.data() + b * kBlock, &r.scale[b], &r.sum[b]);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  for (int64_t m = 0; m < M; ++m) pair_halves(r.x16.data() + m * K, K / kBlock);
+#endif
   return r;
 }
 
 // One int4 weight row against MR rows of x: y = sum_b d_b dx_b (q_b . x16_b) + m_b sum(x_b). A block's 32 weights
 // widen to int16 (two vectors of 16) and meet x16 in two multiply-adds (int32 pairs), one float FMA per block.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// With AVX-512 a block's 32 weights are one vector of int16: one multiply-add per row of x and block. The blocks'
-// scales go 16 at a time: d_b * dx_b for each row of x in one multiply, the offsets' sum m_b * sum(x_b) in one FMA,
-// so that a block's own work is its weights, its multiply-add, and one FMA whose scale is read from memory.
+// With AVX-512 two blocks' 64 weights are two vectors of int16 (one 32-byte load, an AND and a shift): two
+// multiply-adds per row of x (one with AVX512-VNNI's vpdpwssd adding in place), one conversion and one FMA for both
+// blocks, their two scales put side by side by one permute. The blocks' scales go 16 at a time: d_b * dx_b for
+// each row of x in one multiply, the offsets' sum m_b * sum(x_b) in one FMA. Against one block at a time (one
+// 16-byte load widened, a multiply-add, a conversion and an FMA per block), 2-core AMD EPYC: SmolLM2's int4
+// projections alone, laid out by thread, 13.2 -> 16.0 GB/s (40 rounds in turns); one 1,536 x 576 matrix in cache,
+// 1 thread, 74.3 -> 58.0 us; the compiled int4 step at 128 tokens 121.8 -> 138.1 tok/s (20 paired rounds, 1.116).
 constexpr int64_t kChunk = 16;  // blocks whose scales are prepared together
 
 template <int MR>
@@ -202,6 +221,7 @@ void int4_row(const Int16Rows& xr, int64_t K, const uint8_t* w, const uint16_t* 
   __m512 acc[MR][2], offsets[MR];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = offsets[m] = _mm512_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0F), shifts = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+  const __m512i halves_of_pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   alignas(64) float d[kChunk], mv[kChunk], scale[MR][kChunk];
   for (int64_t c = 0; c < nb; c += kChunk) {
     const int64_t nc = std::min(kChunk, nb - c);
@@ -236,9 +256,32 @@ void int4_row(const Int16Rows& xr, int64_t K, const uint8_t* w, const uint16_t* 
         acc[m][chain] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(scale[m][j]), acc[m][chain]);
       }
     };
+    // blocks j and j + 1 together: their 32 bytes hold both blocks' low nibbles (first 16 weights of each) and
+    // high nibbles; widened to int16 they meet x16 laid out in pairs (pair_halves), so that int32 lanes 0-7 sum
+    // block j and lanes 8-15 block j + 1, and one FMA applies both blocks' scales
+    auto pair = [&](int64_t j, int chain) {
+      const int64_t b = c + j;
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 16));
+      const __m512i lo = _mm512_cvtepu8_epi16(_mm256_and_si256(bytes, low4));
+      const __m512i hi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4));
+      const __m512i which = _mm512_add_epi32(halves_of_pair, _mm512_set1_epi32(static_cast<int>(j)));
+      for (int m = 0; m < MR; ++m) {
+        const int16_t* xb = xr.x16.data() + ((m0 + m) * nb + b) * kBlock;
+#ifdef __AVX512VNNI__
+        const __m512i p =
+            _mm512_dpwssd_epi32(_mm512_madd_epi16(lo, _mm512_loadu_si512(xb)), hi, _mm512_loadu_si512(xb + 32));
+#else
+        const __m512i p = _mm512_add_epi32(_mm512_madd_epi16(lo, _mm512_loadu_si512(xb)),
+                                           _mm512_madd_epi16(hi, _mm512_loadu_si512(xb + 32)));
+#endif
+        const __m512 both_scales = _mm512_permutexvar_ps(which, _mm512_load_ps(scale[m]));
+        acc[m][chain] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), both_scales, acc[m][chain]);
+      }
+    };
     int64_t j = 0;
-    for (; j + 2 <= nc; j += 2) block(j, 0), block(j + 1, 1);
-    if (j < nc) block(j, 0);
+    for (; j + 4 <= nc; j += 4) pair(j, 0), pair(j + 2, 1);
+    if (j + 2 <= nc) pair(j, 0), j += 2;
+    if (j < nc) block(j, 0);  // a last block without a partner (an odd number of blocks in the row)
   }
   for (int m = 0; m < MR; ++m)
     y[m * N] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), offsets[m]));
