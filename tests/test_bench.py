@@ -86,6 +86,11 @@ def test_the_compile_targets_judge_built_and_loaded_steps_apart(capsys):
     cold, warm = capsys.readouterr().out.splitlines()
     assert "built here): not met for bfloat16 @128 (45 s); slowest 45.0 s" in cold  # a loaded step is not cold
     assert "loaded from disk): not met for int4 @1024 (6 s); slowest 6.5 s" in warm
+    groups = [{"weights": "float32", "context": 128, "compile_s": 26.5, "compiled_how": "built"},
+              {"weights": "int4", "context": 128, "compile_s": 0.3, "compiled_how": "loaded"}]
+    bench.print_compile_targets(rows[1:], groups)  # the int4 @128 row loaded what the comparison built, or not
+    cold = capsys.readouterr().out.splitlines()[0]
+    assert "not met for float32 @128 (layer-group comparison) (26 s); slowest 26.5 s" in cold
 
 
 def test_the_workbook_quant_kernels_are_timed_against_atens_on_the_same_weights(lm, capsys):

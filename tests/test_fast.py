@@ -352,6 +352,22 @@ def test_layer_groups_make_the_eager_tokens_and_bind_each_models_own_weights(mod
     assert not [w for w in recwarn if "LeafSpec" in str(w.message)]  # torch's own notice, hidden from the lab's output
 
 
+def test_inductor_does_not_copy_weights_laid_out_by_thread_but_copies_the_rest():
+    """A weight laid out by thread is handed to inductor as it is (its copy would span the thread buffer); any other
+    buffer, e.g. a KV cache the step writes, is still copied; outside the block inductor's copy is back."""
+    from torch._inductor import compile_fx
+
+    from utils import cpu_linear
+
+    laid, cache = cpu_linear.laid_out_by_thread([torch.ones(4, 3)], 2)[0], torch.zeros(2, 3)
+    original = compile_fx.clone_preserve_strides
+    with fast.laid_out_not_copied():
+        assert compile_fx.clone_preserve_strides(laid) is laid
+        copied = compile_fx.clone_preserve_strides(cache)
+        assert copied is not cache and torch.equal(copied, cache)
+    assert compile_fx.clone_preserve_strides is original and not cpu_linear.is_laid_out(cache)
+
+
 @pytest.mark.skipif(not quant.kernel_here(torch.device("cpu")) == "workbook", reason="the workbook's kernels are not built")
 def test_a_loaded_package_leaves_nothing_in_the_temp_dir(model, tmp_path, monkeypatch):
     """The loader unpacks a package into the temp dir and removes that folder only when it is destroyed (never, in

@@ -181,6 +181,7 @@ def layered_comparison(lm: LoadedModel, forms: dict[str, Llama], context: int, n
     split = decode_table.divergence(model, ids, a, b)
     return {"weights": weights, "context": context,
             **{f"{how} first call": f"{src} in {s:.1f} s" for how, (src, s) in first.items()},
+            "compile_s": round(first["layer groups"][1], 1), "compiled_how": first["layer groups"][0],
             **{f"{how} tok/s": round(v, 1) for how, v in speed.items()},
             "speed ratio": round(speed["layer groups"] / speed["whole step"], 3),
             "tokens": f"{decode_table.tokens_agreed(a, b)}/{len(a)} greedy tokens equal" + decode_table.split_note(split)}
@@ -480,14 +481,17 @@ def print_targets(fp: dict[str, Any]) -> None:
         how = f" timed in turns ({d['from_rows']:.2f} from the two tables)" if d.get("in_turns") else ""
         print(f"targets      {d['weights']}: tok/s at {long:,} / at {short:,} = {d['measured']:.2f}{how}, its bytes "
               f"predict {d['predicted_by_bytes']:.2f} ({ok}: it may fall no more than its KV bytes predict)")
-    print_compile_targets(fp["rows"])
+    print_compile_targets(fp["rows"], fp.get("layer_groups", []))
 
 
-def print_compile_targets(rows: list[dict[str, Any]]) -> None:
-    """The compile targets from this run: a step built here within :data:`COLD_COMPILE_S`, and one loaded from
+def print_compile_targets(rows: list[dict[str, Any]], layer_groups: list[dict[str, Any]] = ()) -> None:
+    """The compile targets from this run: a step built here within :data:`COLD_COMPILE_S` (a row's, or the
+    layer-group comparison's: the same step, built there first where it runs before the rows), and one loaded from
     disk (by this run's second decoder, or because an earlier run built it) within :data:`WARM_COMPILE_S`."""
     compiled = [r for r in rows if r.get("compile_s")]
     cold = {f"{r['weights']} @{r['context']}": r["compile_s"] for r in compiled if r.get("compiled_how") != "loaded"}
+    cold |= {f"{c['weights']} @{c['context']} (layer-group comparison)": c["compile_s"] for c in layer_groups
+             if c.get("compiled_how") == "built"}
     warm = {f"{r['weights']} @{r['context']}": r["compile_s"] if r.get("compiled_how") == "loaded" else r.get("reload_s")
             for r in compiled}
     for what, times, limit in [("cold: its first call in this process, built here", cold, COLD_COMPILE_S),

@@ -128,8 +128,19 @@ def laid_out_by_thread(tensors: list[Tensor], threads: int) -> list[Tensor]:
         shape = (threads, t.shape[0] // threads, *t.shape[1:])
         rows = torch.empty(shape[1:], device="meta").stride()  # one part's own strides: contiguous
         copies.append(buffer.as_strided(shape, (per_thread, *rows), at).copy_(t.detach().reshape(shape)))
+        setattr(copies[-1], LAID_OUT, True)
         at += t.numel() // threads
     return copies
+
+
+LAID_OUT = "_workbook_laid_out_by_thread"
+"""The attribute :func:`laid_out_by_thread` sets on each copy it makes (see :func:`is_laid_out`)."""
+
+
+def is_laid_out(t: Tensor) -> bool:
+    """Whether ``t`` is a copy :func:`laid_out_by_thread` made: a view into its thread buffer, read by decode and
+    never written."""
+    return getattr(t, LAID_OUT, False)
 
 
 def decode_tensors(module: nn.Module) -> dict[str, Tensor]:
