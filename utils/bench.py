@@ -484,13 +484,13 @@ def print_targets(fp: dict[str, Any]) -> None:
     print_compile_targets(fp["rows"], fp.get("layer_groups", []))
 
 
-def print_compile_targets(rows: list[dict[str, Any]], layer_groups: list[dict[str, Any]] = ()) -> None:
+def print_compile_targets(rows: list[dict[str, Any]], layer_groups: list[dict[str, Any]] | None = None) -> None:
     """The compile targets from this run: a step built here within :data:`COLD_COMPILE_S` (a row's, or the
     layer-group comparison's: the same step, built there first where it runs before the rows), and one loaded from
     disk (by this run's second decoder, or because an earlier run built it) within :data:`WARM_COMPILE_S`."""
     compiled = [r for r in rows if r.get("compile_s")]
     cold = {f"{r['weights']} @{r['context']}": r["compile_s"] for r in compiled if r.get("compiled_how") != "loaded"}
-    cold |= {f"{c['weights']} @{c['context']} (layer-group comparison)": c["compile_s"] for c in layer_groups
+    cold |= {f"{c['weights']} @{c['context']} (layer-group comparison)": c["compile_s"] for c in layer_groups or []
              if c.get("compiled_how") == "built"}
     warm = {f"{r['weights']} @{r['context']}": r["compile_s"] if r.get("compiled_how") == "loaded" else r.get("reload_s")
             for r in compiled}

@@ -253,8 +253,8 @@ kernel calls) compiles at -O0 instead of -O1: 3.4 s instead of 6.1 s on a 2-core
 (bf16 110 against 111 tok/s, int4 211 against 212; the kernels themselves keep -O3)."""
 
 
-PART_SETTINGS: dict[str, Any] = {"aot_inductor.compile_wrapper_opt_level": "O1", "aot_inductor.package_constants_in_so": False,
-                                 "compile_threads": 1}
+PART_SETTINGS: dict[str, Any] = {"aot_inductor.compile_wrapper_opt_level": "O1",
+                                 "aot_inductor.package_constants_in_so": False, "compile_threads": 1}
 """Inductor settings the layer groups and the head of a :class:`LayeredStep` add.
 
 A group is called several times per step, and its wrapper compiled at -O0 spent much of a call in unoptimized C++

@@ -298,8 +298,8 @@ class Int8Linear(nn.Module):
     Buffers: ``q`` int8 [out, in], ``scale`` [out] and ``bias`` (if any) in the
     activation dtype (float32 for the workbook's kernel); ``q_parts``: a copy of ``q`` laid out by
     thread that the workbook's kernel reads instead where it is set (:func:`utils.cpu_linear.pack_by_thread`).
-    ``forward`` uses ``kernel`` (:data:`KERNELS`) when it runs here (``path == "kernel"``; aten's needs ``q`` zero-padded
-    to a multiple of 16 columns where ``in_features`` is not one, see ``padding``), else
+    ``forward`` uses ``kernel`` (:data:`KERNELS`) when it runs here (``path == "kernel"``; aten's needs ``q``
+    zero-padded to a multiple of 16 columns where ``in_features`` is not one, see ``padding``), else
     :func:`int8_matmul_reference`.
     """
 
