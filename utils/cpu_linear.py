@@ -168,12 +168,12 @@ def pack_by_thread(model: Llama, threads: int | None = None) -> int:
     chosen: dict[torch.dtype, list[tuple[nn.Module, str, Tensor]]] = {}
     done = 0
     for _, m in iter_linears(model):
-        tensors = decode_tensors(m)
+        tensors, splits = decode_tensors(m), m.out_features % threads == 0
         for name, t in tensors.items():
             setattr(m, name, None)  # laid out again below, or read from its own tensors
-            if m.out_features % threads == 0:
+            if splits:
                 chosen.setdefault(t.dtype, []).append((m, name, t))
-        done += bool(tensors) and m.out_features % threads == 0
+        done += bool(tensors) and splits
     for group in chosen.values():
         for (m, name, _), copy_ in zip(group, laid_out_by_thread([t for *_, t in group], threads)):
             setattr(m, name, copy_)

@@ -516,65 +516,90 @@ void check_x(const at::Tensor& x, int64_t K, const char* op) {
               op, ": x must be float32, bf16 or fp16");
 }
 
+// Where the N rows of a weight lie: [N, row...] contiguous, or laid out by thread (see float_linear): [P, N / P,
+// row...] with contiguous rows and any stride between the P parts. Row n is row n % (N / P) of part n / (N / P).
+struct WeightRows {
+  bool valid = false, parted = false;
+  int64_t P = 1, N = 0, per_part = 1, part_stride = 0, row = 1;  // row: elements per row
+  template <typename T>
+  T* at(T* base, int64_t n) const {  // no division for a plain weight
+    return parted ? base + n / per_part * part_stride + n % per_part * row : base + n * row;
+  }
+};
+
+// w's rows, each of row_dims dimensions (1 for [.., K], 2 for int4's dm [.., K / g, 2]); valid = false for any
+// other shape or layout.
+WeightRows weight_rows(const at::Tensor& w, int64_t row_dims) {
+  WeightRows r;
+  if (w.dim() != row_dims + 1 && w.dim() != row_dims + 2) return r;
+  r.parted = w.dim() == row_dims + 2;
+  int64_t expected = 1;  // contiguous rows: back from the last dimension, each stride the sizes after it multiplied
+  for (int64_t d = w.dim() - 1; d >= (r.parted ? 1 : 0); --d) {
+    r.valid = w.stride(d) == expected || w.size(d) == 1;
+    if (!r.valid) return r;
+    if (d >= w.dim() - row_dims) r.row *= w.size(d);
+    expected *= w.size(d);
+  }
+  r.P = r.parted ? w.size(0) : 1;
+  r.N = r.parted ? r.P * w.size(1) : w.size(0);
+  if (r.parted) r.per_part = std::max<int64_t>(1, w.size(1)), r.part_stride = w.stride(0);
+  return r;
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
-  const bool parted = q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2);
-  TORCH_CHECK(((q.dim() == 2 && q.is_contiguous()) || parted) && q.scalar_type() == at::kChar,
+  const WeightRows qr = weight_rows(q, 1);
+  TORCH_CHECK(qr.valid && q.scalar_type() == at::kChar,
               "int8_linear: q must be int8 [N, K] contiguous, or [P, N / P, K] with contiguous rows");
-  const int64_t K = q.size(-1), P = parted ? q.size(0) : 1, N = parted ? P * q.size(1) : q.size(0);
+  const int64_t K = q.size(-1), N = qr.N;
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kFloat,
               "int8_linear: scale must be float32 [N]");
   check_x(x, K, "int8_linear");
-  const int64_t M = x.size(0), part_rows = N / P, part_stride = parted ? q.stride(0) : N * K;
+  const int64_t M = x.size(0);
   const at::Tensor sc = scale.contiguous();
   const Output out = new_output(x, N, y_buffer);
   const float *xp = float_rows(x, x_buffer), *sp = sc.data_ptr<float>();
   const int8_t* wp = q.data_ptr<int8_t>();
   float* yp = out.values;
   for_each_row(M, N, [&](int64_t n, int64_t m0, int64_t mr, auto) {
-    const int8_t* wn = wp + n / part_rows * part_stride + n % part_rows * K;
-    dispatch_rows(mr, [&](auto MR) { int8_row<MR.value>(xp + m0 * K, K, wn, sp[n], yp + m0 * N + n, N, !parted); });
-  }, P);
+    dispatch_rows(mr, [&](auto MR) {
+      int8_row<MR.value>(xp + m0 * K, K, qr.at(wp, n), sp[n], yp + m0 * N + n, N, !qr.parted);
+    });
+  }, qr.P);
   return finish(out);
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dm, int64_t g) {
   TORCH_CHECK(g > 0 && g % kBlock == 0, "int4_linear: the group size must be a multiple of ", kBlock, ", got ", g);
-  const bool parted = packed.dim() == 3 && packed.stride(2) == 1 && packed.stride(1) == packed.size(2) &&
-                      dm.dim() == 4 && dm.size(0) == packed.size(0) && dm.size(1) == packed.size(1) &&
-                      dm.stride(3) == 1 && dm.stride(2) == 2 && dm.stride(1) == 2 * dm.size(2);
-  TORCH_CHECK(((packed.dim() == 2 && packed.is_contiguous()) || parted) && packed.scalar_type() == at::kByte &&
-              (2 * packed.size(-1)) % g == 0, "int4_linear: packed must be uint8 [N, K / 2] (or [P, N / P, K / 2] with "
-              "dm [P, N / P, K / g, 2]), K a multiple of ", g);
-  const int64_t K = 2 * packed.size(-1), P = parted ? packed.size(0) : 1;
-  const int64_t N = parted ? P * packed.size(1) : packed.size(0);
-  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.size(-1) == 2 && dm.size(-2) == K / g &&
-              (parted || (dm.dim() == 3 && dm.size(0) == N && dm.is_contiguous())),
-              "int4_linear: dm must be float16 [N, K / g, 2]");
+  const WeightRows wr = weight_rows(packed, 1), dr = weight_rows(dm, 2);
+  TORCH_CHECK(wr.valid && packed.scalar_type() == at::kByte && (2 * packed.size(-1)) % g == 0,
+              "int4_linear: packed must be uint8 [N, K / 2] (or [P, N / P, K / 2] with dm [P, N / P, K / g, 2]), K a "
+              "multiple of ", g);
+  const int64_t M = x.size(0), K = 2 * packed.size(-1), N = wr.N;
+  TORCH_CHECK(dr.valid && dr.parted == wr.parted && dr.P == wr.P && dr.N == N && dm.scalar_type() == at::kHalf &&
+              dm.size(-1) == 2 && dm.size(-2) == K / g,
+              "int4_linear: dm must be float16 [N, K / g, 2], or dm [P, N / P, K / g, 2] beside packed laid out by ",
+              "thread");
   check_x(x, K, "int4_linear");
-  const int64_t part_rows = N / P, w_stride = parted ? packed.stride(0) : N * K / 2,
-                dm_stride = parted ? dm.stride(0) : N * 2 * (K / g);
   const Output out = new_output(x, N, y_buffer);
   const float* xp = float_rows(x, x_buffer);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = out.values;
-  auto w_at = [&](int64_t n) { return wp + n / part_rows * w_stride + n % part_rows * (K / 2); };
-  auto dm_at = [&](const auto* dp, int64_t n) { return dp + n / part_rows * dm_stride + n % part_rows * 2 * (K / g); };
 #ifdef WORKBOOK_SIMD
-  const bool ahead = !parted;  // laid out by thread: one stream per thread, nothing asked for (see float_linear)
-  const Int16Rows& xr = int16_rows(xp, x.size(0), K);
+  const bool ahead = !wr.parted;  // laid out by thread: one stream per thread, nothing asked for (see float_linear)
+  const Int16Rows& xr = int16_rows(xp, M, K);
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
-  for_each_row(x.size(0), N, [&](int64_t n, int64_t m0, int64_t mr, auto) {
+  for_each_row(M, N, [&](int64_t n, int64_t m0, int64_t mr, auto) {
     dispatch_rows(mr, [&](auto MR) {
-      int4_row<MR.value>(xr, K, w_at(n), dm_at(dp, n), g, yp + m0 * N + n, N, m0, ahead);
+      int4_row<MR.value>(xr, K, wr.at(wp, n), dr.at(dp, n), g, yp + m0 * N + n, N, m0, ahead);
     });
-  }, P);
+  }, wr.P);
 #else
   const at::Half* dp = dm.data_ptr<at::Half>();
-  for_each_row(x.size(0), N, [&](int64_t n, int64_t m0, int64_t mr, auto) {
+  for_each_row(M, N, [&](int64_t n, int64_t m0, int64_t mr, auto) {
     dispatch_rows(mr, [&](auto MR) {
-      int4_row<MR.value>(xp + m0 * K, K, w_at(n), dm_at(dp, n), g, yp + m0 * N + n, N);
+      int4_row<MR.value>(xp + m0 * K, K, wr.at(wp, n), dr.at(dp, n), g, yp + m0 * N + n, N);
     });
-  }, P);
+  }, wr.P);
 #endif
   return finish(out);
 }
@@ -589,22 +614,21 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 //   bf16:    per projection, rows ahead 21.5 / 24.2 (two runs)  by thread, ahead 23.1 / 25.7  by thread, none 32.7 / 29.8
 //   float32: per projection, rows ahead 23.0                     by thread, ahead 24.3         by thread, none 26.0
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w) {
-  const bool parted = w.dim() == 3 && w.stride(2) == 1 && w.stride(1) == w.size(2);
-  TORCH_CHECK((w.dim() == 2 && w.is_contiguous()) || parted,
+  const WeightRows wr = weight_rows(w, 1);
+  const bool parted = wr.parted;
+  TORCH_CHECK(wr.valid,
               "float_linear: w must be a contiguous [N, K] or [P, N / P, K] with contiguous rows, got ", w.sizes());
   TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16,
               "float_linear: w must be float32 or bf16");
-  const int64_t K = w.size(-1), P = parted ? w.size(0) : 1, N = parted ? P * w.size(1) : w.size(0);
-  const int64_t part_rows = N / P, part_stride = parted ? w.stride(0) : N * K;
+  const int64_t K = w.size(-1), P = wr.P, N = wr.N;
   check_x(x, K, "float_linear");
   const int64_t M = x.size(0);
   const Output out = new_output(x, N, y_buffer);
   const float* xp = float_rows(x, x_buffer);
   float* yp = out.values;
-  auto row_at = [&](const auto* wp, int64_t n) { return wp + n / part_rows * part_stride + n % part_rows * K; };
   auto rows = [&](const auto* wp, auto R, bool ahead = false) {  // ahead: the rows 2 KiB on asked for first
     for_each_row<R.value>(M, N, [&](int64_t n, int64_t m0, int64_t mr, auto r) {
-      const auto* wn = row_at(wp, n);
+      const auto* wn = wr.at(wp, n);
       if (ahead) prefetch_l2(wn, r.value * K * static_cast<int64_t>(sizeof *wp));
       dispatch_rows(mr, [&](auto MR) { float_block<MR.value, r.value>(xp + m0 * K, K, wn, yp + m0 * N + n, N); });
     }, P);
@@ -626,7 +650,7 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w) {
 #ifdef WORKBOOK_SIMD
   const float* xq = pair_rows(xp, M, K, pair_buffer);
   for_each_row(M, N, [&](int64_t n, int64_t m0, int64_t mr, auto) {
-    dispatch_rows(mr, [&](auto MR) { bf16_row<MR.value>(xq + m0 * K, K, row_at(wp, n), yp + m0 * N + n, N, !parted); });
+    dispatch_rows(mr, [&](auto MR) { bf16_row<MR.value>(xq + m0 * K, K, wr.at(wp, n), yp + m0 * N + n, N, !parted); });
   }, P);
 #else
   rows(wp, std::integral_constant<int, 1>{});
