@@ -369,6 +369,55 @@ def test_inductor_does_not_copy_weights_laid_out_by_thread_but_copies_the_rest()
 
 
 @pytest.mark.skipif(not quant.kernel_here(torch.device("cpu")) == "workbook", reason="the workbook's kernels are not built")
+def test_after_build_headers_a_layered_step_builds_no_precompiled_header(model, tmp_path, monkeypatch):
+    """fast.build_headers builds the headers a layered step's packages use (the benchmark times them apart from its
+    steps): a step built after it compiles no header of its own, and makes its eager tokens."""
+    from torch._inductor import cpp_builder
+
+    assert fast.build_headers() > 0
+    monkeypatch.setenv("WORKBOOK_STEP_CACHE", str(tmp_path))
+    outputs: list[str] = []
+    original = cpp_builder._run_compile_cmd
+
+    def recorded(cmd_line: str, cwd: str) -> None:
+        outputs.append(cmd_line.split(" -o ")[-1].split()[0])
+        original(cmd_line, cwd)
+
+    monkeypatch.setattr(cpp_builder, "_run_compile_cmd", recorded)
+    own = quant.quantized_copy(model, 8, 8, dtype=torch.float32)
+    decoder = fast.FastDecoder.build(own, 64, compiled=True)
+    assert torch.equal(decoder.generate(IDS, 8), engine.generate(own, IDS, 8))
+    assert decoder.step.source == "built" and any(o.endswith(".wrapper.o") for o in outputs)
+    assert not [o for o in outputs if o.endswith(".gch")]
+
+
+def test_a_build_hands_on_its_python_turn_only_while_a_wrapper_or_kernels_compile():
+    """Two builds side by side (fast.package_steps): while one's C++ compiler makes a package's wrapper or kernels,
+    the other's Python may run; a precompiled header, a CPU check or a link keeps the turn (inductor holds a file
+    lock there that the other build may wait for). Outside the block inductor's own compile call is back."""
+    from torch._inductor import cpp_builder
+
+    held_during: dict[str, bool] = {}
+
+    def fake_compile(cmd_line: str, cwd: str) -> None:
+        held_during[cmd_line.split("/")[-1]] = fast._PYTHON_TURN.locked()
+
+    original = cpp_builder._run_compile_cmd
+    cpp_builder._run_compile_cmd = fake_compile
+    try:
+        with fast.compilers_side_by_side(), fast.python_turn():
+            for out in ("a.wrapper.o", "b.kernel.o", "h.gch", "h.i", "a.wrapper.so", "w.weights.o"):
+                cpp_builder._run_compile_cmd(f"g++ x.cpp -c -o /t/{out}", "/t")
+            assert fast._PYTHON_TURN.locked()  # taken back after each
+        restored = cpp_builder._run_compile_cmd
+    finally:
+        cpp_builder._run_compile_cmd = original
+    assert held_during == {"a.wrapper.o": False, "b.kernel.o": False, "h.gch": True, "h.i": True,
+                           "a.wrapper.so": True, "w.weights.o": True}
+    assert restored is fake_compile and not fast._PYTHON_TURN.locked()
+
+
+@pytest.mark.skipif(not quant.kernel_here(torch.device("cpu")) == "workbook", reason="the workbook's kernels are not built")
 def test_a_loaded_package_leaves_nothing_in_the_temp_dir(model, tmp_path, monkeypatch):
     """The loader unpacks a package into the temp dir and removes that folder only when it is destroyed (never, in
     a kernel killed at exit): load_package has it unpack into a folder of its own, gone once loaded, and the step

@@ -367,6 +367,10 @@ def run_fast_path(lm: LoadedModel, contexts: list[int], new_tokens: int, repeats
     kernels = {w: round(bytes_read_per_token(m) / fast.projections_seconds(m) / 1e9, 2) for w, m in forms.items()}
     out: dict[str, Any] = {"rows": [], "kernel_GBps": kernels, "targets": {}, "llama_cpp": "not asked for",
                            "own_kernels": kernel_comparison(lm, forms, new_tokens)}
+    if not quick and lm.device.type == "cpu":  # once per environment, not a variant's compile: timed apart
+        out["inductor_headers_s"] = round(fast.build_headers(), 1)
+        print(f"inductor's precompiled headers for this environment (built once, before the steps): "
+              f"{out['inductor_headers_s']:.1f} s", flush=True)
     if not quick:  # a whole step builds in half a minute to a minute, once per machine: not in CI's quick run
         out["layer_groups"] = [c for w in LAYERED_COMPARED if (c := layered_comparison(lm, forms, contexts[0], new_tokens, w))]
     for context in contexts:
