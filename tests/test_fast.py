@@ -391,7 +391,7 @@ def test_after_build_headers_a_layered_step_builds_no_precompiled_header(model, 
     assert not [o for o in outputs if o.endswith(".gch")]
 
 
-def test_a_build_hands_on_its_python_turn_only_while_a_wrapper_or_kernels_compile():
+def test_a_build_hands_on_its_python_turn_only_while_a_wrapper_or_kernels_compile(monkeypatch):
     """Two builds side by side (fast.package_steps): while one's C++ compiler makes a package's wrapper or kernels,
     the other's Python may run; a precompiled header, a CPU check or a link keeps the turn (inductor holds a file
     lock there that the other build may wait for). Outside the block inductor's own compile call is back."""
@@ -402,19 +402,14 @@ def test_a_build_hands_on_its_python_turn_only_while_a_wrapper_or_kernels_compil
     def fake_compile(cmd_line: str, cwd: str) -> None:
         held_during[cmd_line.split("/")[-1]] = fast._PYTHON_TURN.locked()
 
-    original = cpp_builder._run_compile_cmd
-    cpp_builder._run_compile_cmd = fake_compile
-    try:
-        with fast.compilers_side_by_side(), fast.python_turn():
-            for out in ("a.wrapper.o", "b.kernel.o", "h.gch", "h.i", "a.wrapper.so", "w.weights.o"):
-                cpp_builder._run_compile_cmd(f"g++ x.cpp -c -o /t/{out}", "/t")
-            assert fast._PYTHON_TURN.locked()  # taken back after each
-        restored = cpp_builder._run_compile_cmd
-    finally:
-        cpp_builder._run_compile_cmd = original
+    monkeypatch.setattr(cpp_builder, "_run_compile_cmd", fake_compile)
+    with fast.compilers_side_by_side(), fast.python_turn():
+        for out in ("a.wrapper.o", "b.kernel.o", "h.gch", "h.i", "a.wrapper.so", "w.weights.o"):
+            cpp_builder._run_compile_cmd(f"g++ x.cpp -c -o /t/{out}", "/t")
+        assert fast._PYTHON_TURN.locked()  # taken back after each
     assert held_during == {"a.wrapper.o": False, "b.kernel.o": False, "h.gch": True, "h.i": True,
                            "a.wrapper.so": True, "w.weights.o": True}
-    assert restored is fake_compile and not fast._PYTHON_TURN.locked()
+    assert cpp_builder._run_compile_cmd is fake_compile and not fast._PYTHON_TURN.locked()
 
 
 @pytest.mark.skipif(not quant.kernel_here(torch.device("cpu")) == "workbook", reason="the workbook's kernels are not built")

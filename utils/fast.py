@@ -715,10 +715,9 @@ class LayeredStep:
         paths = [path for _, _, path in parts]
         for path in paths:
             path.touch()  # recently used
-        built = bool(missing)
         self.runs = [bound_package(paths[0], group) for group in self.groups]
         self.run_head = bound_package(paths[1], self.head)
-        self.source = "built" if built else "loaded"
+        self.source = "built" if missing else "loaded"
         _STEPS_PACKAGED += 1
 
 
