@@ -147,6 +147,11 @@ def test_the_layer_groups_are_timed_against_the_whole_step(capsys):
     row = {"context": 16, "name": "compiled step", "weights": "bfloat16", "bytes_per_token": 1e6, "tok_s": 1.0}
     turns = bench.targets_in_turns(lm, {"bfloat16": forms[bench.QUICK_COMPILED]}, [row], 16, 8, with_llama_cpp=True)
     assert set(turns) == {"bf16 share of ceiling", "bf16 over transformers bf16"}  # no llama.cpp row: no such target
+    ahead = bench.stream_ahead_in_turns(lm, {"int4": forms[bench.QUICK_COMPILED]}, [16, 48], 8, repeats=2)
+    assert [(a["weights"], a["context"], a["tokens equal"]) for a in ahead] == [("int4", 16, True), ("int4", 48, True)]
+    assert all(a["speed ratio"] > 0 and a["spread"] >= 0 for a in ahead)
+    bench.print_targets({"kernel_GBps": {}, "targets": {}, "rows": [], "stream_ahead": ahead})
+    assert "KiB ahead (PREFETCHNTA) against not" in capsys.readouterr().out
     forms[bench.QUICK_COMPILED] = quant.quantized_copy(bench.Llama.from_hf(lm.model).float(), 4, 8, kernel="aten")
     assert bench.layered_comparison(lm, forms, 16, 8) == {}
 

@@ -10,6 +10,7 @@ from test_batching import tiny_hf
 from torch import nn
 
 from utils import cpu_linear, cpu_quant, engine, fast, quant
+from utils.errors import WorkbookError
 from utils.llama import Llama, iter_linears
 from utils.variants import bytes_read_per_token
 
@@ -137,6 +138,27 @@ def test_the_rows_kernel_reads_a_weight_laid_out_by_thread_and_makes_the_same_su
         torch.set_num_threads(before)
     with pytest.raises(RuntimeError, match="contiguous rows"):
         torch.ops.workbook.float_linear(torch.zeros(1, 100, dtype=dtype), w.t().contiguous().t())
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4])  # bf16, int8 and int4 weights laid out by thread
+def test_asking_for_the_weights_ahead_changes_no_result_and_is_restored(bits):
+    if AMX and bits is None:
+        pytest.skip("bf16 goes through the tiles here")
+    fp32 = Llama.from_hf(tiny_hf())
+    model = cpu_linear.on_workbook_kernels(fp32.to(torch.bfloat16) if bits is None else quant.quantized_copy(fp32, bits, 8))
+    laid = [m for _, m in iter_linears(model) if (names := cpu_linear.decode_tensors(m)) and
+            all(cpu_linear.is_laid_out(getattr(m, name)) for name in names)]
+    assert laid, "every tiny projection splits across the threads: laid out by thread"
+    x = torch.randn(2, laid[0].in_features, generator=torch.Generator().manual_seed(3)).to(model.dtype)
+    with cpu_linear.stream_ahead(0):
+        plain = laid[0](x)
+    for nbytes in (64, cpu_linear.STREAM_AHEAD, 1 << 20):  # one line, the default, far past the weights' end
+        with cpu_linear.stream_ahead(nbytes):
+            assert torch.equal(laid[0](x), plain)
+    assert torch.ops.workbook.set_stream_ahead(cpu_linear.STREAM_AHEAD) == cpu_linear.STREAM_AHEAD  # restored
+    with pytest.raises(WorkbookError, match="multiple of 64"):
+        with cpu_linear.stream_ahead(100):
+            pass
 
 
 def test_packing_by_thread_puts_each_threads_rows_of_every_projection_back_to_back():

@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import cpu_linear, decode_table, fast, llama, llama_server, peer, quant
+from . import cpu_linear, cpu_quant, decode_table, fast, llama, llama_server, peer, quant
 from .decide import MIN_SPREAD, ratio_spread
 from .engine import decode_request, decode_speed, generate, measure_prefill
 from .hardware import bandwidth_reader, describe_machine, measure_matmul_flops, probe_bandwidth
@@ -252,6 +252,32 @@ def fall_in_turns(lm: LoadedModel, model: Llama, contexts: tuple[int, int], new_
     return {"measured": short.median / long.median, "spread": ratio_spread(short, long)}
 
 
+def stream_ahead_in_turns(lm: LoadedModel, step_forms: dict[str, Llama], contexts: list[int], new_tokens: int,
+                          repeats: int = 7) -> list[dict[str, Any]]:
+    """Each compiled step in ``step_forms`` at each of ``contexts`` with its kernels asking for the weights ahead
+    (:func:`utils.cpu_linear.stream_ahead`, the default) and without, decoded in turns, their greedy tokens
+    compared: that speed-up against its baseline in this run. Empty where the workbook's kernels do not run."""
+    if lm.device.type != "cpu" or not cpu_quant.available():
+        return []
+    out = []
+    for weights, model in step_forms.items():
+        for context in contexts:
+            setup, run, _ = compiled_request(lm, model, context, new_tokens)
+            ways = {how: (lambda start, nbytes=nbytes: _ahead(nbytes, run, start))
+                    for how, nbytes in (("ahead", cpu_linear.STREAM_AHEAD), ("not", 0))}
+            tokens = [way(setup()).tolist() for way in ways.values()]
+            times = interleaved(ways, setup={k: setup for k in ways}, repeats=repeats, progress=False)
+            ahead, plain = times["ahead"], times["not"]
+            out.append({"weights": weights, "context": context, "speed ratio": round(plain.median / ahead.median, 3),
+                        "spread": round(ratio_spread(ahead, plain), 3), "tokens equal": tokens[0] == tokens[1]})
+    return out
+
+
+def _ahead(nbytes: int, run: Callable[[Any], Any], start: Any) -> Any:
+    with cpu_linear.stream_ahead(nbytes):
+        return run(start)
+
+
 Timed = tuple[Callable[[], Any], Callable[[Any], Any], int]
 """A decode to time in turns: ``(setup, run, tokens)``: ``run(setup())`` makes ``tokens`` tokens (setup untimed)."""
 
@@ -397,6 +423,8 @@ def run_fast_path(lm: LoadedModel, contexts: list[int], new_tokens: int, repeats
     in_turns = {} if quick or len(contexts) < 2 else {  # every compiled row of the full run
         w: fall_in_turns(lm, m, (contexts[0], contexts[-1]), new_tokens) for w, m in step_forms.items()}
     out["context_drops"] = context_drops(out["rows"], in_turns)
+    if not quick:
+        out["stream_ahead"] = stream_ahead_in_turns(lm, step_forms, contexts, new_tokens)
     for context in [] if quick else contexts:  # the full run judges the ratio targets timed in turns
         turns = targets_in_turns(lm, step_forms, out["rows"], context, new_tokens, with_llama_cpp)
         got = out["targets"][str(context)]
@@ -466,6 +494,13 @@ def print_targets(fp: dict[str, Any]) -> None:
     for weights, c in fp.get("own_kernels", {}).items():
         print(f"kernels      {weights}: the workbook's kernels {c['workbook_GBps']} GB/s, the same weights on aten's "
               f"{c['aten_GBps']} GB/s ({c['speedup']:.2f}x); eager, {c['tokens']}")
+    if fp.get("stream_ahead"):
+        pairs = "; ".join(f"{a['weights']} @{a['context']} {a['speed ratio']:.3f}x (spread {a['spread']:.0%})"
+                          for a in fp["stream_ahead"])
+        same = all(a["tokens equal"] for a in fp["stream_ahead"])
+        print(f"kernels      the weights asked for {cpu_linear.STREAM_AHEAD // 1024} KiB ahead (PREFETCHNTA) against "
+              f"not, each compiled step timed in turns: {pairs}; greedy tokens "
+              f"{'equal in every pair' if same else 'NOT equal in some pair'}")
     for c in fp.get("layer_groups", []):
         print(f"compile      {c['weights']} @{c['context']}: by layer groups, first call {c['layer groups first call']}, "
               f"{c['layer groups tok/s']} tok/s; the whole step, first call {c['whole step first call']}, "

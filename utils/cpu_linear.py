@@ -23,6 +23,8 @@ import copy
 import itertools
 import mmap
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -178,6 +180,27 @@ def pack_by_thread(model: Llama, threads: int | None = None) -> int:
         for (m, name, _), copy_ in zip(group, laid_out_by_thread([t for *_, t in group], threads)):
             setattr(m, name, copy_)
     return done
+
+
+STREAM_AHEAD = 8192
+"""Bytes ahead at which the kernels ask for a weight laid out by thread, one row at a time, with a use-once hint
+(``PREFETCHNTA``): the stream runs further ahead than the CPU's own prefetcher takes it, and keeps less of the
+caches from what is read again (the KV cache). The measurements are in ``csrc/decode_linear.cpp``
+(``stream_ahead``); ``make bench`` times every compiled step with and without it, in turns."""
+
+
+@contextmanager
+def stream_ahead(nbytes: int) -> Iterator[None]:
+    """Within the block, the kernels ask for a weight laid out by thread ``nbytes`` ahead (0: they do not ask; the
+    default is :data:`STREAM_AHEAD`): to time a step both ways. Results are the same either way: a prefetch only
+    says which bytes will be read next."""
+    if nbytes < 0 or nbytes % 64:
+        raise WorkbookError(f"stream_ahead: nbytes must be a multiple of 64 (a cache line) and >= 0, got {nbytes}")
+    before = torch.ops.workbook.set_stream_ahead(nbytes)
+    try:
+        yield
+    finally:
+        torch.ops.workbook.set_stream_ahead(before)
 
 
 def _laid_out(module: nn.Module, threads: int) -> bool:
