@@ -618,7 +618,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const Int16Rows& xr = int16_rows(xp, M, K);
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
   for_each_row(M, N, [&](int64_t n, int64_t m0, int64_t mr, auto) {
-    if (!ahead && m0 == 0) stream_ahead(wr.at(wp, n), K / 2), stream_ahead(dr.at(dp, n), 4 * (K / g));
+    if (wr.parted && m0 == 0) stream_ahead(wr.at(wp, n), K / 2), stream_ahead(dr.at(dp, n), 4 * (K / g));
     dispatch_rows(mr, [&](auto MR) {
       int4_row<MR.value>(xr, K, wr.at(wp, n), dr.at(dp, n), g, yp + m0 * N + n, N, m0, ahead);
     });
@@ -639,9 +639,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 // thread's rows of every projection back to back, so that each thread streams one region through a decode step
 // as the bandwidth probe does. Part p's row r is output row p * N / P + r; the sums are those of the [N, K] layout.
 // A weight laid out by thread is read without asking for rows ahead into L2 (prefetch_l2): the CPU's own prefetcher
-// follows one long stream, and the requests only took its place. It is asked for further on with a non-temporal
-// hint instead (stream_ahead), which keeps the caches for what is read again. Measured on a 2-core AMD EPYC (AVX-512), SmolLM2's
-// projections alone, the four ways in turns in one process (40 rounds, medians, GB/s):
+// follows one long stream, and the requests only took its place; it is asked for 8 KiB on with a use-once hint
+// instead (stream_ahead). Measured on a 2-core AMD EPYC (AVX-512), SmolLM2's projections alone, the four ways in
+// turns in one process (40 rounds, medians, GB/s), before stream_ahead:
 //   bf16:    per projection, rows ahead 21.5 / 24.2 (two runs)  by thread, ahead 23.1 / 25.7  by thread, none 32.7 / 29.8
 //   float32: per projection, rows ahead 23.0                     by thread, ahead 24.3         by thread, none 26.0
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w) {
