@@ -437,3 +437,16 @@ def test_weight_read_gain_is_the_shared_weight_read_prediction():
     assert weight_read_gain(0.2, 0.01, 32, 4, read_s=1.0) == weight_read_gain(0.2, 0.01, 32, 4)  # capped at TBT
     with pytest.raises(WorkbookError):
         weight_read_gain(0.2, -0.01, 32, 4)
+
+
+def test_one_slot_ttft_ratio_is_the_queue_a_single_slot_makes():
+    from utils.load_generator import _one_slot_ttfts, one_slot_ttft_ratio
+    # 4 clients, 4 requests, one slot: each waits for those ahead, T = 0.1 + 31 x 0.01 = 0.41 s each
+    assert _one_slot_ttfts(0.1, 0.41, 4, 4) == pytest.approx([0.1, 0.51, 0.92, 1.33])
+    assert one_slot_ttft_ratio(0.1, 0.01, 32, 4, 4) == pytest.approx((0.51 + 0.92) / 2 / 0.4)
+    # 2 clients, 4 requests: the third is sent when the first ends and starts when the second ends
+    assert _one_slot_ttfts(0.1, 0.41, 2, 4) == pytest.approx([0.1, 0.51, 0.51, 0.51])
+    assert one_slot_ttft_ratio(0.1, 0.01, 32, 1, 3) == pytest.approx(1.0)  # one client: no queue, one prompt a pass
+    assert one_slot_ttft_ratio(0.1, 0.01, 32, 8, 8) > one_slot_ttft_ratio(0.1, 0.01, 32, 4, 4)  # longer queue
+    with pytest.raises(WorkbookError):
+        one_slot_ttft_ratio(0.1, 0.01, 32, 4, 0)

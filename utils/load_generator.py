@@ -272,3 +272,31 @@ def weight_read_gain(ttft_s: float, tbt_s: float, output_tokens: int, concurrenc
     ttft, tbt = check_number(ttft_s, "ttft_s", "s"), check_number(tbt_s, "tbt_s", "s")
     read = tbt if read_s is None else min(check_number(read_s, "read_s", "s", allow_zero=True), tbt)
     return c * (ttft + (n - 1) * tbt) / (c * ttft + (n - 1) * (read + c * (tbt - read)))
+
+
+def one_slot_ttft_ratio(ttft_s: float, tbt_s: float, output_tokens: int, concurrency: int, requests: int) -> float:
+    """Median TTFT with one slot over median TTFT with ``concurrency`` slots, **predicted** from a run alone.
+
+    The same closed loop in both (``concurrency`` clients, ``requests`` requests of ``output_tokens`` tokens). With
+    one slot the server serves them in turn: each takes ``T = TTFT + (n - 1) · TBT`` as alone, and a request waits
+    for every one ahead of it (:func:`_one_slot_ttfts`). With a slot per client nothing waits for a slot: the
+    prompts that arrive together are prefilled in one pass, which costs ``concurrency`` times one prompt (prefill
+    is compute), so the median TTFT is ``concurrency · TTFT``. The ratio holds whatever a decode step of many rows
+    costs: it is about who waits, not how fast the batch runs.
+    """
+    c, n = check_count(concurrency, "concurrency"), check_count(output_tokens, "output_tokens")
+    ttft, tbt = check_number(ttft_s, "ttft_s", "s"), check_number(tbt_s, "tbt_s", "s")
+    queued = _one_slot_ttfts(ttft, ttft + (n - 1) * tbt, c, check_count(requests, "requests"))
+    return float(np.median(queued)) / (min(c, requests) * ttft)
+
+
+def _one_slot_ttfts(ttft_s: float, request_s: float, clients: int, requests: int) -> list[float]:
+    """TTFT of each request, in order, when ``clients`` closed-loop clients share one slot: request ``k`` is sent
+    when its client's last one ended, starts when the slot is free, and answers its first token ``ttft_s`` later."""
+    sent, free, ttfts = [0.0] * min(clients, requests), 0.0, []
+    for k in range(requests):
+        start = max(sent[k], free)
+        ttfts.append(start - sent[k] + ttft_s)
+        free = start + request_s
+        sent.append(free)  # the same client sends its next request, k + clients
+    return ttfts
