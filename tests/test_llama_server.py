@@ -106,6 +106,9 @@ def test_the_real_server_streams_exactly_its_tokens_and_stops():
         assert speed.server_decode_tok_s > 0  # llama.cpp's own timer came with the stream
         if peer.installed():  # the same file, greedy, one request at a time: the same text as in process
             assert speed.text == peer.llama_cpp_speed(prompt, 8, repeats=1, threads=1).text
+            served, local = llama_server.alone_in_turns(client, prompt, 8, repeats=2, threads=1)  # rounds in turns
+            assert len(served.results) == len(local.decode_samples_s) == 2 and local.prompt_tokens == 40
+            assert served.text == local.text == speed.text and len(local.tokens) == 8
         trace = [Request(i, 0.0, prompt[i:], 6) for i in range(4)]
         run = run_concurrent(trace, 2, client, **LlamaServer.EXACT)
         assert run.summary.ok == 4 and all(o.result.output_tokens == 6 for o in run.outcomes)

@@ -37,11 +37,12 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from .errors import WorkbookError, check_count, check_number
 from .models import REPO_ROOT, embedded_gguf
-from .peer import BUILD_CMAKE_ARGS, LLAMA_CPP_PYTHON, cpu_model
+from .openai_client import Client, StreamSpeed
+from .peer import BUILD_CMAKE_ARGS, LLAMA_CPP_PYTHON, LlamaCppRequest, PeerResult, cpu_model, peer_result, timed_run
 
 SERVER_CMAKE_ARGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_SERVER=ON",
                      "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -257,6 +258,27 @@ class LlamaServer:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return "(no log)"
+
+
+def alone_in_turns(client: Client, prompt_ids: Sequence[int], new_tokens: int, *, repeats: int = 3,
+                   threads: int | None = None) -> tuple[StreamSpeed, PeerResult]:
+    """One request at a time to the server over HTTP, and the same prompt to llama.cpp in process, in turns.
+
+    Each is warmed up once, then ``repeats`` rounds of one request each way (:data:`LlamaServer.EXACT`), so a slow
+    spell of the machine weighs on both alike and their decode tok/s round by round compare the engines, not two
+    moments (:data:`HTTP_BAND`). ``threads``: the in-process run's, as the server's by default.
+    """
+    check_count(repeats, "repeats")
+    local, served, runs = LlamaCppRequest(prompt_ids, new_tokens, threads), [], []
+    try:
+        client.complete(list(prompt_ids), new_tokens, **LlamaServer.EXACT)
+        timed_run(local)
+        for _ in range(repeats):
+            served.append(client.complete(list(prompt_ids), new_tokens, **LlamaServer.EXACT))
+            runs.append(timed_run(local))
+        return StreamSpeed(tuple(served)), peer_result(local, runs)
+    finally:
+        local.close()
 
 
 def _main() -> None:

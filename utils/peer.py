@@ -156,21 +156,29 @@ def llama_cpp_speed(prompt_ids: Sequence[int], new_tokens: int, *, repeats: int 
     One untimed warm-up, then ``repeats`` timed runs on a reset context; the medians.
     """
     request = LlamaCppRequest(prompt_ids, new_tokens, threads, gguf)
-    prefills, decodes, tokens = [], [], []
-    for run in range(repeats + 1):
-        t0 = time.perf_counter()
-        first = request.prefill()
-        t1 = time.perf_counter()
-        tokens = request.decode(first)
-        t2 = time.perf_counter()
-        if run:  # the first run warms up
-            prefills.append(t1 - t0)
-            decodes.append(t2 - t1)
+    try:
+        timed_run(request)  # the first run warms up
+        return peer_result(request, [timed_run(request) for _ in range(repeats)])
+    finally:
+        request.close()
+
+
+def timed_run(request: LlamaCppRequest) -> tuple[float, float, list[int]]:
+    """One prefill and decode of ``request`` on a reset context: (prefill seconds, decode seconds, tokens)."""
+    t0 = time.perf_counter()
+    first = request.prefill()
+    t1 = time.perf_counter()
+    tokens = request.decode(first)
+    return t1 - t0, time.perf_counter() - t1, tokens
+
+
+def peer_result(request: LlamaCppRequest, runs: Sequence[tuple[float, float, list[int]]]) -> PeerResult:
+    """The medians of ``request``'s timed runs (:func:`timed_run`), its last run's tokens and their text."""
+    prefills, decodes, tokens = [r[0] for r in runs], [r[1] for r in runs], runs[-1][2]
     text = request.llm.detokenize(tokens).decode("utf-8", errors="replace")
-    request.close()
-    return PeerResult("llama.cpp " + _version(), request.path.name.split(".")[-2], len(prompt_ids),
-                      len(prompt_ids) / statistics.median(prefills),
-                      (new_tokens - 1) / statistics.median(decodes), request.threads, tokens, decodes, text)
+    return PeerResult("llama.cpp " + _version(), request.path.name.split(".")[-2], len(request.prompt),
+                      len(request.prompt) / statistics.median(prefills),
+                      (request.new_tokens - 1) / statistics.median(decodes), request.threads, tokens, decodes, text)
 
 
 def _greedy(llm: "object") -> int:
