@@ -153,6 +153,12 @@ def test_a_changed_shape_and_the_crossover():
     assert LC.crossover_context(16e9, 131_072) == pytest.approx(122_070.3, rel=1e-6)
     assert LC.crossover_context(16e9, 131_072, batch=8) == pytest.approx(122_070.3 / 8, rel=1e-6)
     assert LC.step_seconds(1e9, 1e5, 10_000, 1e10) == pytest.approx(0.2)
+    # a measured 0.15 s step at 16 tokens, then 1e5 B per token more for each of 9,984 tokens at 10 GB/s
+    assert LC.step_past_base(0.15, 1e5, 16, 10_000, 1e10) == pytest.approx(0.15 + 9_984e5 / 1e10)
+    assert LC.step_past_base(0.15, 1e5, 16, 16, 1e10) == 0.15
+    assert LC.step_past_base(0.15, 1e5, 16, 1_016, 1e10, batch=2) == pytest.approx(0.17)
+    with pytest.raises(WorkbookError, match="shorter"):
+        LC.step_past_base(0.15, 1e5, 16, 8, 1e10)
     with pytest.raises(WorkbookError, match="divide"):
         by_name("llama-3.2-1b", n_kv_heads=5)
 

@@ -66,6 +66,22 @@ def step_seconds(weight_bytes_read: float, kv_bytes_per_token_: float, context: 
     return decode_bytes_per_token(weight_bytes_read, kv, context) / check_number(bandwidth, "bandwidth", "B/s")
 
 
+def step_past_base(base_s: float, kv_bytes_per_token_: float, base_context: int, context: int, bandwidth: float,
+                   batch: int = 1) -> float:
+    """Predicted decode step time at ``context`` from a step **measured** at a short ``base_context``: that step,
+    plus the KV bytes of the tokens past it over ``bandwidth`` (s).
+
+    The measured step holds the weights' read and every fixed cost at this machine's own speed, which on a CPU
+    is often well below the probe's bandwidth (one thread's matmuls, a core shared); only the added cache is
+    predicted from bytes. Attention reads its cache no faster than the bandwidth, so this is a floor on how
+    the step grows with context.
+    """
+    added = kv_bytes_per_token_ * check_count(batch, "batch") * (context - base_context)
+    if added < 0:
+        raise WorkbookError(f"context {context} is shorter than the base step's {base_context}.")
+    return check_number(base_s, "base_s", "s") + added / check_number(bandwidth, "bandwidth", "B/s")
+
+
 # ----------------------------------------------------------------------------- models of any shape
 
 
