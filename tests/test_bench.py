@@ -180,23 +180,3 @@ def test_the_ratio_targets_are_judged_in_turns_and_the_tables_ratios_are_printed
     assert "bf16 share of ceiling 0.84 timed in turns (spread 5%, the probe reading 31.2 GB/s); from the tables: 1.079" in out
     assert "quantized over llama.cpp 1.19 timed in turns (spread 4%); from the tables: 1.38" in out
 
-
-def test_a_noisy_comparison_in_turns_is_timed_once_more_and_the_steadier_round_kept():
-    """Decoding in turns for the bench's with/without comparisons: a round whose timings are noisy (spread over
-    :data:`utils.timing.NOISE_THRESHOLD`) is timed again; a steady one is not."""
-    import time
-
-    calls = {"steady": 0, "jumpy": 0}
-
-    def way(name: str, seconds) -> object:
-        def run(_start: object) -> None:
-            calls[name] += 1
-            time.sleep(seconds(calls[name]))
-        return run
-
-    steady = {"a": way("steady", lambda n: 0.002), "b": way("steady", lambda n: 0.003)}
-    a, b = bench._steadier_in_turns(steady, lambda: None, repeats=4)
-    assert calls["steady"] == 2 * (4 + 1) and not a.noisy and b.median > a.median  # one round: 4 + a warm-up each
-    jumpy = {"a": way("jumpy", lambda n: 0.001 if n % 2 else 0.012), "b": way("steady", lambda n: 0.002)}
-    bench._steadier_in_turns(jumpy, lambda: None, repeats=4)
-    assert calls["jumpy"] == 2 * (4 + 1)  # timed twice: every round of "a" is noisy

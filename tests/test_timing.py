@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from utils import timing
@@ -58,3 +60,25 @@ def test_interleaved_setup_runs_untimed_and_feeds_its_call():
     ("aten::mul", "everything else"), ("aten::index_copy_", "everything else")])
 def test_op_kind(name, kind):
     assert op_kind(name) == kind
+
+
+def test_a_noisy_round_in_turns_is_timed_once_more_and_the_steadier_round_kept():
+    """``interleaved(..., remeasure_noisy=True)``, as the bench's with/without comparisons call it: a round whose
+    timings are noisy (spread over :data:`utils.timing.NOISE_THRESHOLD`) is timed again; a steady one is not."""
+    calls = {"steady": 0, "jumpy": 0}
+
+    def way(name, seconds):
+        def run(_start):
+            calls[name] += 1
+            time.sleep(seconds(calls[name]))
+        return run
+
+    steady = {"a": way("steady", lambda n: 0.002), "b": way("steady", lambda n: 0.003)}
+    a, b = interleaved(steady, setup={k: lambda: None for k in steady}, repeats=4, remeasure_noisy=True).values()
+    assert calls["steady"] == 2 * (4 + 1) and not a.noisy and b.median > a.median  # one round: 4 + a warm-up each
+    jumpy = {"a": way("jumpy", lambda n: 0.001 if n % 2 else 0.012), "b": way("steady", lambda n: 0.002)}
+    interleaved(jumpy, setup={k: lambda: None for k in jumpy}, repeats=4, remeasure_noisy=True)
+    assert calls["jumpy"] == 2 * (4 + 1)  # timed twice: every round of "a" is noisy
+    calls["jumpy"] = 0
+    interleaved(jumpy, setup={k: lambda: None for k in jumpy}, repeats=4)
+    assert calls["jumpy"] == 4 + 1  # without remeasure_noisy: once, as before

@@ -266,23 +266,12 @@ def stream_ahead_in_turns(lm: LoadedModel, step_forms: dict[str, Llama], context
             ways = {how: (lambda start, nbytes=nbytes: _ahead(nbytes, run, start))
                     for how, nbytes in (("ahead", cpu_linear.STREAM_AHEAD), ("not", 0))}
             tokens = [way(setup()).tolist() for way in ways.values()]
-            ahead, plain = _steadier_in_turns(ways, setup, repeats)
+            ahead, plain = interleaved(ways, setup={k: setup for k in ways}, repeats=repeats, progress=False,
+                                       remeasure_noisy=True).values()
             out.append({"weights": weights, "context": context, "speed ratio": round(plain.median / ahead.median, 3),
                         "spread": round(ratio_spread(ahead, plain), 3), "noisy": ahead.noisy or plain.noisy,
                         "tokens equal": tokens[0] == tokens[1]})
     return out
-
-
-def _steadier_in_turns(ways: dict[str, Callable[[Any], Any]], setup: Callable[[], Any], repeats: int) -> list[Any]:
-    """``ways`` decoded in turns, their timings in order; timed once more where one is noisy
-    (:attr:`utils.timing.Timing.noisy`), the steadier of the two rounds kept (as :func:`utils.timing.measure` does)."""
-    rounds = []
-    for _ in range(2):
-        times = interleaved(ways, setup={k: setup for k in ways}, repeats=repeats, progress=False)
-        rounds.append(list(times.values()))
-        if not any(t.noisy for t in rounds[-1]):
-            break
-    return min(rounds, key=lambda ts: ratio_spread(*ts))
 
 
 def _ahead(nbytes: int, run: Callable[[Any], Any], start: Any) -> Any:

@@ -135,13 +135,16 @@ def measure(fn: Callable[..., Any], *, setup: Callable[[], Any] | None = None,
 
 def interleaved(fns: Mapping[str, Callable[..., Any]], *, repeats: int = 5, warmup: int = 1,
                 device: torch.device | str | None = None, progress: bool | None = None,
-                desc: str = "interleaved", setup: Mapping[str, Callable[[], Any]] | None = None) -> dict[str, Timing]:
+                desc: str = "interleaved", setup: Mapping[str, Callable[[], Any]] | None = None,
+                remeasure_noisy: bool = False) -> dict[str, Timing]:
     """Time several functions round-robin (A, B, C, A, B, C, ...): ``{name: Timing}``.
 
     On a shared or throttling machine a slow spell then hits every variant alike, so
     their *ratio* stays meaningful even when each absolute time wobbles. ``setup[name]``,
     if given, runs untimed before each call of ``fns[name]`` and its result is passed to it
-    (as in :func:`measure`).
+    (as in :func:`measure`). With ``remeasure_noisy``, a round in which any timing is noisy is
+    run once more (warm-up included) and the steadier round kept: the one whose timings' relative
+    spreads, added in quadrature (the spread of their ratio), are smaller.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
@@ -155,7 +158,12 @@ def interleaved(fns: Mapping[str, Callable[..., Any]], *, repeats: int = 5, warm
                 fn(*args)
             if i >= warmup:
                 samples[name].append(t["seconds"])
-    return {name: Timing(tuple(s)) for name, s in samples.items()}
+    result = {name: Timing(tuple(s)) for name, s in samples.items()}
+    if remeasure_noisy and any(t.noisy for t in result.values()):
+        again = interleaved(fns, repeats=repeats, warmup=warmup, device=device, progress=progress, desc=desc + " (again)",
+                            setup=setup)
+        result = min(result, again, key=lambda ts: sum(t.relative_spread ** 2 for t in ts.values()))
+    return result
 
 
 # ----------------------------------------------------------------------------- profiles
