@@ -78,6 +78,9 @@ def test_decide_ratio_divides_medians_and_combines_spreads():
         decide_ratio("no cache / cache", fast, fast, bar=2.0, predicted=6.0)
     noisy = Timing((0.1, 0.3, 0.5, 0.7, 0.9))
     assert decide_ratio("no cache / cache", noisy, fast, bar=2.0, predicted=3.0) == UNDECIDED
+    # a prediction made from a noisy timing carries its spread: the same steady ratio is then not decided
+    assert decide_ratio("no cache / cache", slow, fast, bar=2.0, predicted=3.0) == PASSED
+    assert decide_ratio("no cache / cache", slow, fast, bar=2.0, predicted=3.0, predicted_from=(noisy,)) == UNDECIDED
 
 
 def test_every_verdict_is_published_for_the_report(tmp_path, monkeypatch):

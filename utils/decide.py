@@ -107,7 +107,8 @@ def decide(name: str, measured: float, *, bar: float, predicted: float, spread: 
 
 
 def decide_ratio(name: str, numerator: Timing, denominator: Timing, *, bar: float, predicted: float,
-                 above: bool = True, margin: float = MARGIN) -> str:
-    """:func:`decide` on ``numerator.median / denominator.median`` with its :func:`ratio_spread`."""
+                 above: bool = True, margin: float = MARGIN, predicted_from: tuple[Timing, ...] = ()) -> str:
+    """:func:`decide` on ``numerator.median / denominator.median`` with its :func:`ratio_spread`; where the
+    prediction itself comes from other timings (``predicted_from``), their spreads are added in too."""
     return decide(name, numerator.median / denominator.median, bar=bar, predicted=predicted,
-                  spread=ratio_spread(numerator, denominator), above=above, margin=margin)
+                  spread=ratio_spread(numerator, denominator, *predicted_from), above=above, margin=margin)
