@@ -91,10 +91,10 @@ DEFAULT_NB_A := solutions/batching.ipynb solutions/quantization.ipynb notebooks/
 	notebooks/01_tokens.ipynb notebooks/03_prefill.ipynb notebooks/05_kv_cache.ipynb notebooks/08_long_context.ipynb
 DEFAULT_NB_B := $(filter-out $(DEFAULT_NB_A),$(sort $(wildcard notebooks/*.ipynb solutions/*.ipynb)))
 NB_DEFAULT_HALF = WORKBOOK_QUICK=1 timeout 2400 $(PY) -m pytest $(NBVAL) $(NB_REPORT) $(CI_REPORT_DEFAULT) --report-shard
-# Lane b starts with the benchmark's short setting; most planted regressions (they time the default model) run
+# Lane b starts with the benchmark's short setting; the planted regressions (they time the default model) run
 # in lane b too, so that both lanes end together, and so do the kernel tests on the AVX2 build, which the test
 # model's notebooks (AVX2, lane b) build first.
-LANE_B_TESTS := tests/test_planted.py tests/test_kernels_avx2.py
+LANE_B_TESTS := tests/test_planted.py tests/test_planted_serving.py tests/test_kernels_avx2.py
 test-lane-a:
 	@$(STEP) notebooks-default-model-a -- $(LANE) $(NB_DEFAULT_HALF) a $(DEFAULT_NB_A)
 	@$(STEP) unit-tests -- $(LANE) timeout 900 $(PY) -m pytest tests -m "not browser" -p no:cacheprovider \
