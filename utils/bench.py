@@ -23,7 +23,9 @@ layer groups in seconds; the full run also builds the int4, bf16 and float32 ste
 pre-packed GEMMs) and times both ways in turns (:func:`layered_comparison`), and times each compiled step at the
 shortest and the longest context in turns, for its fall against its bytes (:func:`fall_in_turns`), and the compiled
 bf16 step in turns with the bandwidth probe and with transformers bf16, and the best quantized step in turns with
-llama.cpp, for the targets (:func:`targets_in_turns`). ``--quick`` (CI):
+llama.cpp, for the targets (:func:`targets_in_turns`). A pair timed in turns that is noisy (a timing's spread over
+:data:`utils.timing.NOISE_THRESHOLD`) is timed once more and the steadier round kept; one still noisy is printed
+"NOISY" and its target not judged. ``--quick`` (CI):
 bf16 eager rows and the compiled int4 row only.
 ``--server URL`` adds a row for any OpenAI-compatible server, timed from outside one request at a time
 (:mod:`utils.openai_client`); ``--server llama.cpp`` starts llama.cpp's own server here on the embedded
@@ -237,7 +239,8 @@ WARM_COMPILE_S = 5.0
 def fall_in_turns(lm: LoadedModel, model: Llama, contexts: tuple[int, int], new_tokens: int,
                   repeats: int = 7) -> dict[str, float]:
     """``model``'s compiled step (on the workbook's kernels, as its row runs) at the two ``contexts``, decoded in
-    turns: ``{"measured": tok/s at the longer / at the shorter, "spread": that ratio's}``.
+    turns: ``{"measured": tok/s at the longer / at the shorter, "spread": that ratio's, "noisy"}`` (a noisy round is
+    timed once more, the steadier kept; ``noisy``: still so, not to publish).
 
     Why: the two tables are measured minutes apart, and on a shared machine a slow spell in between moves every
     row's fall (one full run on a 2-core Xeon VM: between its tables transformers float32 fell to 0.87 of its speed
@@ -247,9 +250,11 @@ def fall_in_turns(lm: LoadedModel, model: Llama, contexts: tuple[int, int], new_
     model = cpu_linear.on_workbook_kernels(model)  # once: compiled_request then uses it as it is
     runs = {str(c): compiled_request(lm, model, c, new_tokens) for c in contexts}
     times = interleaved({c: run for c, (_, run, _) in runs.items()},
-                        setup={c: setup for c, (setup, _, _) in runs.items()}, repeats=repeats, progress=False)
+                        setup={c: setup for c, (setup, _, _) in runs.items()}, repeats=repeats, progress=False,
+                        remeasure_noisy=True)
     short, long = (times[str(c)] for c in contexts)
-    return {"measured": short.median / long.median, "spread": ratio_spread(short, long)}
+    return {"measured": short.median / long.median, "spread": ratio_spread(short, long),
+            "noisy": short.noisy or long.noisy}
 
 
 def stream_ahead_in_turns(lm: LoadedModel, step_forms: dict[str, Llama], contexts: list[int], new_tokens: int,
@@ -294,22 +299,25 @@ def compiled_request(lm: LoadedModel, model: Llama, context: int, new_tokens: in
 
 
 def speed_ratio_in_turns(lm: LoadedModel, ours: Timed, theirs: Timed, repeats: int = 7) -> dict[str, float]:
-    """``ours``' tok/s over ``theirs``', the two decoded in turns: ``{"measured", "spread"}`` (the ratio's)."""
+    """``ours``' tok/s over ``theirs``', the two decoded in turns: ``{"measured", "spread"}`` (the ratio's) and
+    ``"noisy"`` (a noisy round is timed once more and the steadier kept; True when it still is: not to publish)."""
     times = interleaved({"ours": ours[1], "theirs": theirs[1]}, setup={"ours": ours[0], "theirs": theirs[0]},
-                        repeats=repeats, device=lm.device, progress=False)
+                        repeats=repeats, device=lm.device, progress=False, remeasure_noisy=True)
     ratio = (ours[2] / times["ours"].median) / (theirs[2] / times["theirs"].median)
-    return {"measured": round(ratio, 3), "spread": round(ratio_spread(times["ours"], times["theirs"]), 3)}
+    return {"measured": round(ratio, 3), "spread": round(ratio_spread(times["ours"], times["theirs"]), 3),
+            "noisy": any(t.noisy for t in times.values())}
 
 
 def share_in_turns(lm: LoadedModel, ours: Timed, bytes_per_token: float, repeats: int = 7) -> dict[str, float]:
     """A decode's share of the ceiling, the bandwidth probe's read timed in turns with it: ``{"measured": its
-    bytes per second over the probe's (medians), "spread", "GBps": the probe's median}``."""
+    bytes per second over the probe's (medians), "spread", "GBps": the probe's median, "noisy"}`` (as
+    :func:`speed_ratio_in_turns`)."""
     read, probe_bytes = bandwidth_reader(lm.device)
     times = interleaved({"step": ours[1], "probe": read}, setup={"step": ours[0]}, repeats=repeats,
-                        device=lm.device, progress=False)
+                        device=lm.device, progress=False, remeasure_noisy=True)
     step_bytes_s, probe_bytes_s = ours[2] * bytes_per_token / times["step"].median, probe_bytes / times["probe"].median
     return {"measured": round(step_bytes_s / probe_bytes_s, 3), "spread": round(ratio_spread(*times.values()), 3),
-            "GBps": round(probe_bytes_s / 1e9, 2)}
+            "GBps": round(probe_bytes_s / 1e9, 2), "noisy": any(t.noisy for t in times.values())}
 
 
 def targets_in_turns(lm: LoadedModel, step_forms: dict[str, Llama], rows: list[dict[str, Any]], context: int,
@@ -363,6 +371,7 @@ def context_drops(rows: list[dict[str, Any]], in_turns: dict[str, dict[str, floa
         spread = turns["spread"] if turns else r.get("spread", 0) + s.get("spread", 0)
         out.append({"weights": r["weights"], "contexts": [short, long], "measured": round(measured, 3),
                     "from_rows": round(from_rows, 3), "in_turns": turns is not None,
+                    "noisy": bool(turns and turns.get("noisy")),
                     "predicted_by_bytes": round(predicted, 3), "met": measured >= predicted * (1 - max(spread, MIN_SPREAD))})
     return out
 
@@ -507,17 +516,21 @@ def print_targets(fp: dict[str, Any]) -> None:
               f"{c['layer groups tok/s']} tok/s; the whole step, first call {c['whole step first call']}, "
               f"{c['whole step tok/s']} tok/s (timed in turns: {c['speed ratio']:.3f}x); {c['tokens']}")
     for context, got in fp["targets"].items():
+        turns = got.get("in_turns", {})
         parts = []
         for name, floor in TARGETS.items():
             v = got.get(name)
-            parts.append(f"{name} {'n/a' if v is None else v} ({'no row' if v is None else 'met' if v >= floor else 'not met'}, target {floor})")
+            verdict = ("no row" if v is None else "NOISY: not judged, run again" if turns.get(name, {}).get("noisy")
+                       else "met" if v >= floor else "not met")
+            parts.append(f"{name} {'n/a' if v is None else v} ({verdict}, target {floor})")
         print(f"targets @{context:>5}  " + "; ".join(parts))
-        for name, t in got.get("in_turns", {}).items():
+        for name, t in turns.items():
             probe = f", the probe reading {t['GBps']} GB/s" if "GBps" in t else ""
-            print(f"targets @{context:>5}  {name} {t['measured']} timed in turns (spread {t['spread']:.0%}{probe}); "
-                  f"from the tables: {got.get(name + ' (tables)')}")
+            print(f"targets @{context:>5}  {name} {t['measured']} timed in turns (spread {t['spread']:.0%}{probe}"
+                  f"{', NOISY: not to publish' if t.get('noisy') else ''}); from the tables: {got.get(name + ' (tables)')}")
     for d in fp.get("context_drops", []):
-        (short, long), ok = d["contexts"], "met" if d["met"] else "not met"
+        (short, long) = d["contexts"]
+        ok = "NOISY: not judged, run again" if d.get("noisy") else "met" if d["met"] else "not met"
         how = f" timed in turns ({d['from_rows']:.2f} from the two tables)" if d.get("in_turns") else ""
         print(f"targets      {d['weights']}: tok/s at {long:,} / at {short:,} = {d['measured']:.2f}{how}, its bytes "
               f"predict {d['predicted_by_bytes']:.2f} ({ok}: it may fall no more than its KV bytes predict)")
