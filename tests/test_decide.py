@@ -8,7 +8,7 @@ import pytest
 
 from utils import results
 from utils.decide import (MIN_SPREAD, PASSED, UNDECIDED, Claim, TimingCheckFailed, clearance, decide,
-                          decide_ratio, is_decidable, ratio_spread)
+                          decide_ratio, few_values_spread, is_decidable, ratio_spread)
 from utils.errors import WorkbookError
 from utils.timing import Timing
 
@@ -69,6 +69,16 @@ def test_ratio_spread_adds_relative_spreads_in_quadrature():
     a, b = steady(1.0, 0.03), steady(2.0, 0.04)
     assert ratio_spread(a, b) == pytest.approx(math.hypot(a.relative_spread, b.relative_spread))
     assert ratio_spread(a, b) > max(a.relative_spread, b.relative_spread)
+
+
+def test_few_values_spread_reads_what_their_range_implies_below_five_values():
+    # three values: the IQR is half the range; the population IQR a normal sample's range implies is 0.797 of it
+    assert Timing((0.9, 1.0, 1.15)).relative_spread == pytest.approx(0.125)
+    assert few_values_spread([0.9, 1.0, 1.15]) == pytest.approx(0.25 * 1.349 / 1.693)
+    assert few_values_spread([1.0, 1.15, 0.9, 1.05]) == pytest.approx(0.25 * 1.349 / 2.059 / 1.025)
+    five = [0.9, 1.0, 1.0, 1.0, 1.15]  # from 5 values on, the IQR itself
+    assert few_values_spread(five) == pytest.approx(Timing(tuple(five)).relative_spread) == 0.0
+    assert few_values_spread([1.0, 1.0, 1.0]) == 0.0
 
 
 def test_decide_ratio_divides_medians_and_combines_spreads():

@@ -193,6 +193,10 @@ def test_decide_near_judges_both_sides_of_the_band(capsys):
     with pytest.raises(TimingCheckFailed, match="total / predicted > 0.5x"):
         V.decide_near("total / predicted", [0.3, 0.31, 0.29])
     assert V.decide_near("noisy", [0.5, 1.0, 3.0]) == (UNDECIDED, UNDECIDED)
+    # three rounds 0.9-1.15 against a band of a third: their IQR (12.5%) would decide it, their range says 20%
+    assert V.decide_near("drifting", [0.9, 1.0, 1.15], low=0.75, high=1.33) == (UNDECIDED, UNDECIDED)
+    assert "spread 20%" in capsys.readouterr().out
+    assert V.decide_near("steady", [0.97, 1.0, 1.03], low=0.75, high=1.33) == (PASSED, PASSED)
     with pytest.raises(ValueError, match="3 or more"):
         V.decide_near("two", [1.0, 1.0])
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .decide import decide, ratio_spread
+from .decide import decide, few_values_spread, ratio_spread
 from .errors import check_number
 from .simulator import Validation, non_decreasing
 from .timing import Timing
@@ -343,14 +343,15 @@ def decide_near(name: str, ratios: Sequence[float], *, low: float = 0.5, high: f
     :func:`utils.decide.decide`, on the median of ``ratios`` (one per repeat, ``>= 3`` for a spread).
 
     ``predicted``: the ratio the time model expects (1.0 when each ratio is measured over its own
-    prediction). The spread is the ratios' IQR over their median. Returns both verdicts (high, low).
+    prediction). The spread: :func:`utils.decide.few_values_spread` of the ratios (below 5 rounds, what their
+    range implies, not the half-range three values' IQR reads). Returns both verdicts (high, low).
     """
     if len(ratios) < 3:
         raise ValueError(f"{name}: a spread needs 3 or more ratios, got {len(ratios)}")
     t = Timing(tuple(check_number(r, name, "ratio") for r in ratios))
-    return (decide(f"{name} < {high:g}x", t.median, bar=high, predicted=predicted, spread=t.relative_spread,
-                   above=False),
-            decide(f"{name} > {low:g}x", t.median, bar=low, predicted=predicted, spread=t.relative_spread))
+    spread = few_values_spread(t.samples)
+    return (decide(f"{name} < {high:g}x", t.median, bar=high, predicted=predicted, spread=spread, above=False),
+            decide(f"{name} > {low:g}x", t.median, bar=low, predicted=predicted, spread=spread))
 
 
 def decide_simulator(validation: Validation, cost_noise: float, *, bar: float = 2.0) -> list[str]:
