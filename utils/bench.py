@@ -56,7 +56,7 @@ from .llama import Llama
 from .models import EMBEDDED, LoadedModel, load_model
 from .openai_client import Client, ServerError, measure_speed
 from .roofline import decode_bytes_per_token, decode_ceiling_tok_s
-from .timing import interleaved
+from .timing import Timing, interleaved
 from .tokens import filler_ids
 from .variants import bytes_read_per_token
 
@@ -236,6 +236,19 @@ WARM_COMPILE_S = 5.0
 """The issue's target for the same variant compiled a second time, in a new process (a packaged step is loaded)."""
 
 
+def in_turns(runs: dict[str, Callable[..., Any]], setup: dict[str, Callable[[], Any]], repeats: int,
+             device: torch.device) -> dict[str, Timing]:
+    """``runs`` timed in turns (each ``run(setup())``, setup untimed), as every comparison timed in turns here is:
+    a round in which any timing is noisy is timed once more and the steadier round kept (:func:`any_noisy` then
+    says whether one still is: not to publish, not to judge)."""
+    return interleaved(runs, setup=setup, repeats=repeats, device=device, progress=False, remeasure_noisy=True)
+
+
+def any_noisy(times: dict[str, Timing]) -> bool:
+    """True when a timing of a comparison is still noisy (spread over :data:`utils.timing.NOISE_THRESHOLD`)."""
+    return any(t.noisy for t in times.values())
+
+
 def fall_in_turns(lm: LoadedModel, model: Llama, contexts: tuple[int, int], new_tokens: int,
                   repeats: int = 7) -> dict[str, float]:
     """``model``'s compiled step (on the workbook's kernels, as its row runs) at the two ``contexts``, decoded in
@@ -249,12 +262,10 @@ def fall_in_turns(lm: LoadedModel, model: Llama, contexts: tuple[int, int], new_
     """
     model = cpu_linear.on_workbook_kernels(model)  # once: compiled_request then uses it as it is
     runs = {str(c): compiled_request(lm, model, c, new_tokens) for c in contexts}
-    times = interleaved({c: run for c, (_, run, _) in runs.items()},
-                        setup={c: setup for c, (setup, _, _) in runs.items()}, repeats=repeats, progress=False,
-                        remeasure_noisy=True)
+    times = in_turns({c: run for c, (_, run, _) in runs.items()}, {c: setup for c, (setup, _, _) in runs.items()},
+                     repeats, lm.device)
     short, long = (times[str(c)] for c in contexts)
-    return {"measured": short.median / long.median, "spread": ratio_spread(short, long),
-            "noisy": short.noisy or long.noisy}
+    return {"measured": short.median / long.median, "spread": ratio_spread(short, long), "noisy": any_noisy(times)}
 
 
 def stream_ahead_in_turns(lm: LoadedModel, step_forms: dict[str, Llama], contexts: list[int], new_tokens: int,
@@ -271,10 +282,10 @@ def stream_ahead_in_turns(lm: LoadedModel, step_forms: dict[str, Llama], context
             ways = {how: (lambda start, nbytes=nbytes: _ahead(nbytes, run, start))
                     for how, nbytes in (("ahead", cpu_linear.STREAM_AHEAD), ("not", 0))}
             tokens = [way(setup()).tolist() for way in ways.values()]
-            ahead, plain = interleaved(ways, setup={k: setup for k in ways}, repeats=repeats, progress=False,
-                                       remeasure_noisy=True).values()
+            times = in_turns(ways, {k: setup for k in ways}, repeats, lm.device)
+            ahead, plain = times.values()
             out.append({"weights": weights, "context": context, "speed ratio": round(plain.median / ahead.median, 3),
-                        "spread": round(ratio_spread(ahead, plain), 3), "noisy": ahead.noisy or plain.noisy,
+                        "spread": round(ratio_spread(ahead, plain), 3), "noisy": any_noisy(times),
                         "tokens equal": tokens[0] == tokens[1]})
     return out
 
@@ -301,11 +312,10 @@ def compiled_request(lm: LoadedModel, model: Llama, context: int, new_tokens: in
 def speed_ratio_in_turns(lm: LoadedModel, ours: Timed, theirs: Timed, repeats: int = 7) -> dict[str, float]:
     """``ours``' tok/s over ``theirs``', the two decoded in turns: ``{"measured", "spread"}`` (the ratio's) and
     ``"noisy"`` (a noisy round is timed once more and the steadier kept; True when it still is: not to publish)."""
-    times = interleaved({"ours": ours[1], "theirs": theirs[1]}, setup={"ours": ours[0], "theirs": theirs[0]},
-                        repeats=repeats, device=lm.device, progress=False, remeasure_noisy=True)
+    times = in_turns({"ours": ours[1], "theirs": theirs[1]}, {"ours": ours[0], "theirs": theirs[0]}, repeats, lm.device)
     ratio = (ours[2] / times["ours"].median) / (theirs[2] / times["theirs"].median)
     return {"measured": round(ratio, 3), "spread": round(ratio_spread(times["ours"], times["theirs"]), 3),
-            "noisy": any(t.noisy for t in times.values())}
+            "noisy": any_noisy(times)}
 
 
 def share_in_turns(lm: LoadedModel, ours: Timed, bytes_per_token: float, repeats: int = 7) -> dict[str, float]:
@@ -313,11 +323,10 @@ def share_in_turns(lm: LoadedModel, ours: Timed, bytes_per_token: float, repeats
     bytes per second over the probe's (medians), "spread", "GBps": the probe's median, "noisy"}`` (as
     :func:`speed_ratio_in_turns`)."""
     read, probe_bytes = bandwidth_reader(lm.device)
-    times = interleaved({"step": ours[1], "probe": read}, setup={"step": ours[0]}, repeats=repeats,
-                        device=lm.device, progress=False, remeasure_noisy=True)
+    times = in_turns({"step": ours[1], "probe": read}, {"step": ours[0]}, repeats, lm.device)
     step_bytes_s, probe_bytes_s = ours[2] * bytes_per_token / times["step"].median, probe_bytes / times["probe"].median
     return {"measured": round(step_bytes_s / probe_bytes_s, 3), "spread": round(ratio_spread(*times.values()), 3),
-            "GBps": round(probe_bytes_s / 1e9, 2), "noisy": any(t.noisy for t in times.values())}
+            "GBps": round(probe_bytes_s / 1e9, 2), "noisy": any_noisy(times)}
 
 
 def targets_in_turns(lm: LoadedModel, step_forms: dict[str, Llama], rows: list[dict[str, Any]], context: int,
