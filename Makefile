@@ -73,8 +73,7 @@ test:
 	@$(STEP) llama-cpp -- $(MAKE) --no-print-directory llama-cpp
 	@rm -rf $(CI_REPORT_DEFAULT)
 	@$(STEP) --side-by-side "$(MAKE) --no-print-directory test-lane-a" "$(MAKE) --no-print-directory test-lane-b"
-	@$(STEP) reports-join-validate -- sh -c '$(PY) -m utils.report join $(CI_REPORT_DEFAULT) && \
-		$(PY) -m utils.report validate $(CI_REPORT_DEFAULT)/results.json $(CI_REPORT)/results.json'
+	@$(STEP) reports-join-validate -- $(PY) -m utils.report join $(CI_REPORT_DEFAULT) --validate $(CI_REPORT)/results.json
 	@$(PYTHON) tools/step.py $(STEPS) --summary
 
 # make test's two lanes, run side by side on a 2-core machine with one torch thread each (OMP_NUM_THREADS=1):

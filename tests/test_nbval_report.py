@@ -50,9 +50,10 @@ def test_two_shards_run_at_once_join_into_one_report(tmp_path):
             for nb, name in zip(books, "ab")]
     assert [r.wait(timeout=300) for r in runs] == [0, 0]
     assert not (out / "results.json").exists()  # a shard writes only its share
-    joined = subprocess.run([sys.executable, "-m", "utils.report", "join", str(out)], cwd=REPO_ROOT,
+    joined = subprocess.run([sys.executable, "-m", "utils.report", "join", str(out), "--validate"], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=120)
     assert joined.returncode == 0, joined.stderr
+    assert f"{out / 'results.json'}: valid" in joined.stdout  # make test joins and validates in one process
     doc = load(out / "results.json")
     assert [e["name"] for e in doc["notebooks"]] == ["a_first", "b_second"]  # in path order
     assert [(f["notebook"], f["name"]) for f in doc["figures"]] == [("a_first", "x_s"), ("b_second", "x_s")]

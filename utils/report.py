@@ -554,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("files", nargs="+")
     j = sub.add_parser("join", help="write the report of a folder from its shard-*.json (a run in parallel lanes)")
     j.add_argument("folder", type=Path)
+    j.add_argument("--validate", nargs="*", default=None, metavar="FILE",
+                   help="then validate the joined results.json and these (one process: make test's last step)")
     a = p.parse_args(argv)
     try:
         return {"run": _run, "compare": _compare, "validate": _validate, "index": _index, "join": _join}[a.command](a)
@@ -578,7 +580,9 @@ def _run(a: argparse.Namespace) -> int:
 def _join(a: argparse.Namespace) -> int:
     doc = join_shards(a.folder.resolve())
     print(f"joined {len(doc['notebooks'])} notebooks into {a.folder}/results.json; timing checks: {checks_summary(doc)}")
-    return 0
+    if a.validate is None:
+        return 0
+    return _validate(argparse.Namespace(files=[a.folder / "results.json", *a.validate]))
 
 
 def _compare(a: argparse.Namespace) -> int:
