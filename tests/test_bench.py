@@ -145,6 +145,8 @@ def test_the_layer_groups_are_timed_against_the_whole_step(capsys):
                                        repeats=2)
     assert ratio["measured"] > 1 and ratio["spread"] >= 0  # the compiled int4 step against transformers' float32 loop
     assert isinstance(ratio["noisy"], bool)  # a noisy pair was timed once more; still noisy, it is flagged
+    assert ratio["ours tok/s"] / ratio["theirs tok/s"] == pytest.approx(ratio["measured"], rel=0.01)
+    assert share["ceiling tok/s"] == pytest.approx(share["GBps"] * 1e9 / 1e6, rel=0.01)
     row = {"context": 16, "name": "compiled step", "weights": "bfloat16", "bytes_per_token": 1e6, "tok_s": 1.0}
     turns = bench.targets_in_turns(lm, {"bfloat16": forms[bench.QUICK_COMPILED]}, [row], 16, 8, with_llama_cpp=True)
     assert set(turns) == {"bf16 share of ceiling", "bf16 over transformers bf16"}  # no llama.cpp row: no such target
@@ -180,6 +182,22 @@ def test_the_ratio_targets_are_judged_in_turns_and_the_tables_ratios_are_printed
     assert "bf16 share of ceiling 0.84 (met, target 0.8)" in out and "quantized over llama.cpp 1.19 (not met" in out
     assert "bf16 share of ceiling 0.84 timed in turns (spread 5%, the probe reading 31.2 GB/s); from the tables: 1.079" in out
     assert "quantized over llama.cpp 1.19 timed in turns (spread 4%); from the tables: 1.38" in out
+
+
+def test_the_speedup_target_says_what_it_asks_of_the_ceiling(capsys):
+    """3.5x transformers bf16's tok/s (in turns) over the ceiling the probe read in turns: this run's bound."""
+    turns = {"bf16 share of ceiling": {"measured": 0.875, "spread": 0.05, "GBps": 43.16, "ceiling tok/s": 158.3},
+             "bf16 over transformers bf16": {"measured": 3.188, "spread": 0.06, "ours tok/s": 138.5,
+                                             "theirs tok/s": 43.4}}
+    assert bench.speedup_asks(turns) == (
+        "bf16 over transformers bf16: transformers bf16 ran 43.4 tok/s in turns, so the target asks 151.9 tok/s of the "
+        "bf16 step (it ran 138.5): 96% of the ceiling at the probe's 43.16 GB/s in turns (158.3 tok/s)")
+    turns["bf16 over transformers bf16"]["theirs tok/s"] = 48.0
+    assert bench.speedup_asks(turns).endswith("106% of the ceiling at the probe's 43.16 GB/s in turns (158.3 tok/s); "
+                                              "above the ceiling: no bf16 step could meet it then")
+    assert bench.speedup_asks({"bf16 share of ceiling": turns["bf16 share of ceiling"]}) is None
+    bench.print_targets({"kernel_GBps": {}, "rows": [], "targets": {"128": {"in_turns": turns}}})
+    assert "targets @  128  bf16 over transformers bf16: transformers bf16 ran 48.0 tok/s" in capsys.readouterr().out
 
 
 def test_a_noisy_target_timed_in_turns_is_flagged_not_judged(capsys):

@@ -23,7 +23,8 @@ layer groups in seconds; the full run also builds the int4, bf16 and float32 ste
 pre-packed GEMMs) and times both ways in turns (:func:`layered_comparison`), and times each compiled step at the
 shortest and the longest context in turns, for its fall against its bytes (:func:`fall_in_turns`), and the compiled
 bf16 step in turns with the bandwidth probe and with transformers bf16, and the best quantized step in turns with
-llama.cpp, for the targets (:func:`targets_in_turns`). A pair timed in turns that is noisy (a timing's spread over
+llama.cpp, for the targets (:func:`targets_in_turns`; :func:`speedup_asks` says what share of the ceiling the speed-up
+target asked of the bf16 step in that run). A pair timed in turns that is noisy (a timing's spread over
 :data:`utils.timing.NOISE_THRESHOLD`) is timed once more and the steadier round kept; one still noisy is printed
 "NOISY" and its target not judged. ``--quick`` (CI):
 bf16 eager rows and the compiled int4 row only.
@@ -313,9 +314,9 @@ def speed_ratio_in_turns(lm: LoadedModel, ours: Timed, theirs: Timed, repeats: i
     """``ours``' tok/s over ``theirs``', the two decoded in turns: ``{"measured", "spread"}`` (the ratio's) and
     ``"noisy"`` (a noisy round is timed once more and the steadier kept; True when it still is: not to publish)."""
     times = in_turns({"ours": ours[1], "theirs": theirs[1]}, {"ours": ours[0], "theirs": theirs[0]}, repeats, lm.device)
-    ratio = (ours[2] / times["ours"].median) / (theirs[2] / times["theirs"].median)
-    return {"measured": round(ratio, 3), "spread": round(ratio_spread(times["ours"], times["theirs"]), 3),
-            "noisy": any_noisy(times)}
+    ours_tok_s, theirs_tok_s = ours[2] / times["ours"].median, theirs[2] / times["theirs"].median
+    return {"measured": round(ours_tok_s / theirs_tok_s, 3), "spread": round(ratio_spread(times["ours"], times["theirs"]), 3),
+            "noisy": any_noisy(times), "ours tok/s": round(ours_tok_s, 1), "theirs tok/s": round(theirs_tok_s, 1)}
 
 
 def share_in_turns(lm: LoadedModel, ours: Timed, bytes_per_token: float, repeats: int = 7) -> dict[str, float]:
@@ -326,7 +327,8 @@ def share_in_turns(lm: LoadedModel, ours: Timed, bytes_per_token: float, repeats
     times = in_turns({"step": ours[1], "probe": read}, {"step": ours[0]}, repeats, lm.device)
     step_bytes_s, probe_bytes_s = ours[2] * bytes_per_token / times["step"].median, probe_bytes / times["probe"].median
     return {"measured": round(step_bytes_s / probe_bytes_s, 3), "spread": round(ratio_spread(*times.values()), 3),
-            "GBps": round(probe_bytes_s / 1e9, 2), "noisy": any_noisy(times)}
+            "GBps": round(probe_bytes_s / 1e9, 2), "noisy": any_noisy(times),
+            "ceiling tok/s": round(probe_bytes_s / bytes_per_token, 1)}
 
 
 def targets_in_turns(lm: LoadedModel, step_forms: dict[str, Llama], rows: list[dict[str, Any]], context: int,
@@ -537,6 +539,8 @@ def print_targets(fp: dict[str, Any]) -> None:
             probe = f", the probe reading {t['GBps']} GB/s" if "GBps" in t else ""
             print(f"targets @{context:>5}  {name} {t['measured']} timed in turns (spread {t['spread']:.0%}{probe}"
                   f"{', NOISY: not to publish' if t.get('noisy') else ''}); from the tables: {got.get(name + ' (tables)')}")
+        if (asks := speedup_asks(turns)) is not None:
+            print(f"targets @{context:>5}  {asks}")
     for d in fp.get("context_drops", []):
         (short, long) = d["contexts"]
         ok = "NOISY: not judged, run again" if d.get("noisy") else "met" if d["met"] else "not met"
@@ -544,6 +548,22 @@ def print_targets(fp: dict[str, Any]) -> None:
         print(f"targets      {d['weights']}: tok/s at {long:,} / at {short:,} = {d['measured']:.2f}{how}, its bytes "
               f"predict {d['predicted_by_bytes']:.2f} ({ok}: it may fall no more than its KV bytes predict)")
     print_compile_targets(fp["rows"], fp.get("layer_groups", []))
+
+
+def speedup_asks(turns: dict[str, dict[str, Any]]) -> str | None:
+    """What the bf16 speed-up target asked of the memory in this run: 3.5x transformers bf16's tok/s (timed in turns)
+    as a share of the ceiling the probe read in turns (the bf16 share's pair). transformers' step is bound by its
+    per-operator work, not by bytes: on a quick spell of the CPU it gains more than a bandwidth-bound step can, and
+    above 100% of the ceiling no bf16 step could meet the target at that moment. None without both pairs."""
+    ratio, share = turns.get("bf16 over transformers bf16", {}), turns.get("bf16 share of ceiling", {})
+    if "theirs tok/s" not in ratio or "ceiling tok/s" not in share:
+        return None
+    need = TARGETS["bf16 over transformers bf16"] * ratio["theirs tok/s"]
+    asks = need / share["ceiling tok/s"]
+    return (f"bf16 over transformers bf16: transformers bf16 ran {ratio['theirs tok/s']} tok/s in turns, so the target "
+            f"asks {need:.1f} tok/s of the bf16 step (it ran {ratio['ours tok/s']}): {asks:.0%} of the ceiling at the "
+            f"probe's {share['GBps']} GB/s in turns ({share['ceiling tok/s']} tok/s)"
+            + ("; above the ceiling: no bf16 step could meet it then" if asks > 1 else ""))
 
 
 def print_compile_targets(rows: list[dict[str, Any]], layer_groups: list[dict[str, Any]] | None = None) -> None:
